@@ -1,0 +1,205 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of everything a run needs to continue.
+
+A checkpoint is the folder <dump_folder>/<checkpoint.folder>/step-N holding the model, optimizer,
+LR scheduler, data loader position, RNG states and the step. Each rank writes its own shards, and DCP
+reshards on load, so a checkpoint saved under one parallel layout loads under another. A run whose
+dump folder already holds a checkpoint resumes from the newest complete one; otherwise it may start
+from the weights in `checkpoint.initial_load_path`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
+
+from components.config import Checkpoint as CheckpointConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelState(Stateful):
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class TrainState(Stateful):
+    """The step counter and the RNG states. Every rank seeds alike and draws alike, so one copy of
+    the RNG states (DCP keeps one of identical entries) serves every rank and any layout."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        state = {"step": self.step, "rng_cpu": torch.get_rng_state(), "rng_python": random.getstate()}
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = int(state_dict["step"])
+        torch.set_rng_state(state_dict["rng_cpu"])
+        random.setstate(state_dict["rng_python"])
+        if "rng_cuda" in state_dict:
+            torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+def step_folders(folder: Path) -> dict[int, Path]:
+    """Complete checkpoints by step. DCP writes `.metadata` last, so a folder without it is the
+    remains of an interrupted save and is not a checkpoint."""
+    found = {}
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = re.fullmatch(r"step-(\d+)", path.name)
+            if match and (path / ".metadata").is_file():
+                found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def is_model_only(path: Path) -> bool:
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(key.startswith("train_state.") for key in keys)
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model: nn.Module, optimizer, lr_scheduler, dataloader,
+                 train_state: TrainState, total_steps: int, device: torch.device):
+        self.cfg, self.model, self.total_steps = cfg, model, total_steps
+        self.folder = dump_folder / cfg.folder
+        self.states = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        }
+        self.pending = None
+        self.async_kwargs = {}
+        mode = cfg.async_mode
+        if mode == "async_with_pinned_mem" and device.type != "cuda":
+            logger.warning("checkpoint.async_mode async_with_pinned_mem needs CUDA (pinned memory); using async")
+            mode = "async"
+        if mode == "async":
+            # A group of its own, so that the background save never interleaves its collectives
+            # with the training step's.
+            self.async_kwargs = {"process_group": dist.new_group(backend="gloo")}
+        elif mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True))
+            self.async_kwargs = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
+        self.mode = mode
+
+    def load(self) -> int:
+        """Restore the newest checkpoint of this run, or the initial weights; return the step to
+        continue after (0 for a fresh start)."""
+        found = step_folders(self.folder)
+        if found:
+            step, path = next(reversed(found.items()))
+            if is_model_only(path):
+                if step != 0:
+                    raise ValueError(
+                        f"{path} holds model weights only and cannot resume a run; start a new dump folder "
+                        f"with --checkpoint.initial_load_path {path}"
+                    )
+                return self._load_weights(path)
+            start = time.perf_counter()
+            dcp.load(self.states, checkpoint_id=str(path))
+            logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
+            return self.states["train_state"].step
+        if self.cfg.initial_load_path:
+            return self._load_weights(Path(self.cfg.initial_load_path))
+        return 0
+
+    def _load_weights(self, path: Path) -> int:
+        if not (path / ".metadata").is_file():
+            raise FileNotFoundError(f"no DCP checkpoint at {path} (its .metadata file is missing)")
+        dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+        logger.info(f"loaded model weights from {path}; training starts at step 1")
+        return 0
+
+    def save_seed(self) -> Path:
+        """The freshly initialised weights as step-0, for runs that must start from identical weights."""
+        path = self.folder / "step-0"
+        dcp.save({"model": self.states["model"]}, checkpoint_id=str(path))
+        return path
+
+    def maybe_save(self, step: int) -> None:
+        last = step == self.total_steps
+        if not (self.cfg.enable and (last or step % self.cfg.interval == 0)):
+            return
+        self.wait()
+        path = self.folder / f"step-{step}"
+        start = time.perf_counter()
+        if last and self.cfg.last_save_model_only:
+            dtype = DTYPES[self.cfg.export_dtype]
+            weights = {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}
+            dcp.save({"model": weights}, checkpoint_id=str(path))
+        elif self.mode == "disabled":
+            dcp.save(self.states, checkpoint_id=str(path))
+        else:
+            result = dcp.async_save(self.states, checkpoint_id=str(path), **self.async_kwargs)
+            if isinstance(result, AsyncSaveResponse):
+                # Staging copies the state into pinned memory; it must end before the optimizer
+                # changes the parameters again. The upload to disk goes on in the background.
+                result.staging_completion.result()
+                result = result.upload_completion
+            self.pending = result
+        what = "queued" if self.pending is not None else "saved"
+        logger.info(f"checkpoint {path} {what} in {time.perf_counter() - start:.2f}s")
+        self.purge()
+
+    def wait(self) -> None:
+        """Block until a background save has finished."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+            self.purge()
+
+    def purge(self) -> None:
+        """Delete the oldest complete checkpoints beyond keep_latest_k (never one still being written)."""
+        if self.cfg.keep_latest_k <= 0 or dist.get_rank() != 0:
+            return
+        complete = list(step_folders(self.folder).values())
+        for path in complete[: -self.cfg.keep_latest_k]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self.mode == "async_with_pinned_mem":
+            self.stager.close()

@@ -1,0 +1,448 @@
+"""The configuration schema and its loading: a TOML file, then `--section.key value` overrides.
+
+Every field below can be set in a file under `train_configs/` or on the command line. Unknown keys
+and values of the wrong type stop the run at start-up with a message that names the key (and the
+nearest valid one). docs/configuration.md is generated from this file by
+`python -m components.config --markdown` and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import subprocess
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "train_configs"
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to read; a bare name is looked up in train_configs/."""
+    dump_folder: str = "./outputs"
+    """Everything a run writes goes here: config.toml, metrics.jsonl, tb/, checkpoints."""
+    description: str = "ingot training job"
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Package under models/ that holds the model, its flavors and its parallelize function."""
+    flavor: str = "debugmodel"
+    tokenizer_path: str = "tests/assets/tokenizers/shakespeare_bpe_4k.model"
+    """A sentencepiece .model or a tiktoken BPE-ranks file (Llama 3's tokenizer.model)."""
+    n_layers: int | None = None
+    """This and the keys below override the flavor's value when set (handy for ablations)."""
+    dim: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    multiple_of: int | None = None
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    use_rope_scaling: bool | None = None
+    """Llama 3.1 RoPE frequency scaling for long context."""
+    vocab_size: int | None = None
+    """Defaults to the tokenizer's vocabulary; may be set larger (e.g. padded to a multiple of 64)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 8e-4
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    implementation: str = "foreach"
+    """One of foreach, fused, for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup from lr/(warmup_steps+1) to lr."""
+    decay_ratio: float | None = None
+    """Fraction of the steps spent decaying at the end (warmup-stable-decay); unset: decay over all
+    steps after warmup."""
+    decay_type: str = "linear"
+    """One of linear, sqrt, cosine, constant (no decay)."""
+    min_lr_factor: float = 0.0
+    """The decay ends at lr * min_lr_factor."""
+
+
+@dataclass
+class Training:
+    steps: int = 1000
+    seq_len: int = 2048
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step; -1 = local_batch_size x data-parallel degree. A larger value
+    accumulates gradients over global / (local x dp) micro-batches."""
+    max_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables."""
+    seed: int = 42
+    deterministic: bool = False
+    """Use deterministic algorithms (slower on CUDA)."""
+    dataset: str = "hf"
+    """hf: local JSON/JSONL/text/Parquet files read with Hugging Face datasets, packed on the fly."""
+    dataset_path: str = "tests/assets/shakespeare/train.jsonl"
+    """A file, a glob, a directory of files or a directory written by datasets.save_to_disk."""
+    dataset_text_field: str = "text"
+    mixed_precision_param: str = "bfloat16"
+    """dtype of parameters in forward/backward (float32 keeps full precision; use it on CPU)."""
+    mixed_precision_reduce: str = "float32"
+    """dtype of the gradient reduction across data-parallel ranks."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    data_parallel_shard_degree: int = -1
+    """-1 = whatever the world size leaves after the other degrees."""
+    tensor_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    fsdp_reshard_after_forward: str = "default"
+    """One of default, always, never."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Checkpoints go to <dump_folder>/<folder>/step-N; a run finding one there resumes from it."""
+    interval: int = 500
+    async_mode: str = "disabled"
+    """One of disabled, async (save in a background thread), async_with_pinned_mem (CUDA: staging
+    into pinned memory and a background process)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    initial_load_path: str = ""
+    """A checkpoint folder to start from when the dump folder has none (weights only)."""
+    last_save_model_only: bool = False
+    """The final checkpoint holds only the model weights, in export_dtype."""
+    export_dtype: str = "float32"
+    create_seed_checkpoint: bool = False
+    """Initialise the model on one process, save it as step-0 and exit."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """One of none, full, selective (not available yet)."""
+    selective_ac_option: str = "2"
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (not available yet)."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """float8 training with torchao (not available yet)."""
+    recipe_name: str = "tensorwise"
+    enable_fsdp_float8_all_gather: bool = False
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 = known GPUs from a table, on CPU a measured
+    fp32 matmul rate."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Validation loss on a held-out split (not available yet)."""
+    dataset_path: str = "tests/assets/shakespeare/validation.jsonl"
+    freq: int = 500
+    steps: int = 10
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Write a torch.profiler trace every profile_freq steps (not available yet)."""
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 100
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of the first collectives (start-up, checkpoint loading)."""
+    train_timeout_seconds: int = 100
+    """Timeout of collectives once training runs."""
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+
+class ConfigError(ValueError):
+    """A config file or command-line override that cannot be used; the message says why."""
+
+
+CHOICES = {
+    "optimizer.name": ("AdamW",),
+    "optimizer.implementation": ("foreach", "fused", "for-loop"),
+    "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "constant"),
+    "training.dataset": ("hf",),
+    "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
+    "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "float8.recipe_name": ("tensorwise", "rowwise"),
+}
+
+
+def field_types(section_cls) -> dict[str, object]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+SECTIONS = field_types(Config)
+ALL_KEYS = [f"{s}.{k}" for s, cls in SECTIONS.items() for k in field_types(cls)]
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _convert(key: str, value, typ):
+    """Check `value` (from TOML, or a str from the command line) against `typ`; return it converted."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return _convert(key, value, next(a for a in args if a is not type(None)))
+    from_cli = isinstance(value, str) and typ is not str
+    if origin is list:
+        if isinstance(value, str):
+            text = value.strip()
+            value = _parse_toml_value(text) if text.startswith("[") else [v for v in text.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(key, v, args[0]) for v in value]
+    if typ is bool:
+        if from_cli and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key} must be {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _parse_toml_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cannot parse {text!r} as a TOML value: {e}") from None
+
+
+def _set(config: Config, key: str, value) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section '{section}'{_nearest(key, ALL_KEYS)}")
+    types_ = field_types(SECTIONS[section])
+    if name not in types_:
+        raise ConfigError(f"unknown config key '{key}'{_nearest(key, ALL_KEYS)}")
+    value = _convert(key, value, types_[name])
+    choices = CHOICES.get(key)
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    setattr(getattr(config, section), name, value)
+
+
+def resolve_config_file(path: str) -> Path:
+    """A path as given, or a bare name under train_configs/ (`--job.config_file llama3_8b.toml`)."""
+    for candidate in (Path(path), CONFIG_DIR / path, CONFIG_DIR / f"{path}.toml"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"config file not found: {path} (looked in . and {CONFIG_DIR})")
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise ConfigError(f"expected --section.key [value], got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = "true"  # a bare flag such as --checkpoint.enable
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file named by the last --job.config_file, then the other overrides."""
+    overrides = _split_cli(sys.argv[1:] if argv is None else argv)
+    config = Config()
+    config_files = [v for k, v in overrides if k == "job.config_file"]
+    if config_files:
+        path = resolve_config_file(config_files[-1])
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"cannot parse {path}: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top-level key '{section}' must be a [section]{_nearest(section, list(SECTIONS))}")
+            for name, value in values.items():
+                try:
+                    _set(config, f"{section}.{name}", value)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
+        config.job.config_file = str(path)
+    for key, value in overrides:
+        if key != "job.config_file":
+            _set(config, key, value)
+    return config
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ("-" if value < 0 else "") + ("nan" if math.isnan(value) else "inf")
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML; unset optional keys (None) are left out, as TOML has no null."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for name, value in dataclasses.asdict(getattr(config, section)).items():
+            if value is not None:
+                lines.append(f"{name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + (" (uncommitted changes)" if dirty else "")
+
+
+def dump_config(config: Config, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.toml"
+    header = f"# git commit: {git_commit()}\n# command: {' '.join(sys.argv)}\n\n"
+    path.write_text(header + to_toml(config))
+    return path
+
+
+def markdown_reference() -> str:
+    """The configuration reference in docs/configuration.md, built from the dataclasses above."""
+    import ast
+    import inspect
+
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `python -m components.config --markdown > docs/configuration.md`; a test keeps it in step.",
+        "Every key is set in a TOML file under `train_configs/` (`[section]` then `key = value`) or on the",
+        "command line as `--section.key value`.",
+        "",
+    ]
+    for section, cls in SECTIONS.items():
+        docs, tree = {}, ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+        out += [f"## [{section}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for name, typ in field_types(cls).items():
+            default = getattr(cls(), name)
+            type_name = str(typ).replace(" | None", " (optional)")
+            type_name = type_name if not isinstance(typ, type) else typ.__name__
+            shown = "unset" if default is None else _toml_value(default)
+            meaning = docs.get(name, "")
+            if f"{section}.{name}" in CHOICES and "One of" not in meaning:
+                meaning = (meaning + " One of " + ", ".join(CHOICES[f"{section}.{name}"]) + ".").strip()
+            out.append(f"| `{section}.{name}` | {type_name} | `{shown}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_reference(), end="")
+    else:
+        try:
+            print(to_toml(load_config()), end="")
+        except ConfigError as e:
+            sys.exit(f"config error: {e}")

@@ -1,0 +1,108 @@
+"""Process group start-up and the DeviceMesh built from the [parallelism] degrees."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from components.config import ConfigError, Parallelism
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def init_distributed(init_timeout_seconds: int) -> torch.device:
+    """Join the process group torchrun describes (or a one-process group without torchrun).
+
+    CUDA runs get NCCL for GPU tensors and gloo for CPU tensors (async checkpointing needs the
+    latter); CPU runs use gloo."""
+    timeout = timedelta(seconds=init_timeout_seconds)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+def set_collective_timeout(seconds: int, mesh: DeviceMesh) -> None:
+    """Swap the generous start-up timeout for the training one on every group the run uses."""
+    timeout = timedelta(seconds=seconds)
+    groups = {dist.group.WORLD, *mesh.get_all_groups()}
+    for group in groups:
+        # torch has no public setter; this is the one torch.distributed itself provides.
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@dataclass
+class ParallelDims:
+    """The degree of each parallelism; their product is the number of processes."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, p: Parallelism, world_size: int) -> ParallelDims:
+        dims = cls(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
+                   p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        names = {
+            "dp_replicate": "parallelism.data_parallel_replicate_degree",
+            "cp": "parallelism.context_parallel_degree",
+            "tp": "parallelism.tensor_parallel_degree",
+            "pp": "parallelism.pipeline_parallel_degree",
+        }
+        for attr, key in names.items():
+            if getattr(self, attr) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, attr)}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = {others}; "
+                    "check the parallelism.*_degree keys"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {self.dp_shard}")
+        if others * self.dp_shard != self.world_size:
+            raise ConfigError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
+                f"pp({self.pp}) = {others * self.dp_shard}, but {self.world_size} processes were started; "
+                "the parallelism.*_degree keys must multiply to the world size"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        return " ".join(f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh with every dimension, size-1 ones too, so code can always index by name.
+
+        Also sets `dp_mesh` (the ranks that load different data: replicas x shards, flattened) and
+        `fsdp_mesh` (what FSDP shards over: 1-D, or 2-D (replicate, shard) for HSDP)."""
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        # DeviceMesh._flatten is private, but it is how torch makes one group out of several dims.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.fsdp_mesh = mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        return mesh

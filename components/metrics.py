@@ -1,0 +1,109 @@
+"""What a run reports: one readable log line per logged step, the same numbers as JSON lines in
+<dump_folder>/metrics.jsonl, and TensorBoard events under <dump_folder>/tb/.
+
+Throughput is per device (process): tokens/s = tokens of the step across all ranks / seconds /
+world size, which is what MFU is computed from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak TFLOP/s (no sparsity) of the GPUs we know, matched against the device name.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def peak_flops(device: torch.device, configured_tflops: float) -> tuple[float, str]:
+    """Peak FLOP/s of one device for MFU, and where the figure comes from."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12, "metrics.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12, f"{name} bf16 datasheet"
+        logger.warning(f"unknown GPU {name!r}: set metrics.peak_tflops for a meaningful MFU")
+        return float("nan"), "unknown"
+    # No datasheet for an arbitrary CPU: measure what an fp32 matmul reaches on this process's threads.
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    start, repeats = time.perf_counter(), 8
+    for _ in range(repeats):
+        a @ b
+    return repeats * 2 * 1024**3 / (time.perf_counter() - start), "measured fp32 matmul"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
+
+    def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int, is_writer: bool,
+                 config_text: str = ""):
+        self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
+        self.log_freq, self.is_writer = cfg.log_freq, is_writer
+        self.peak_flops, source = peak_flops(device, cfg.peak_tflops)
+        self.jsonl = self.tb = None
+        if is_writer:
+            logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})")
+            self.jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
+            if cfg.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder))
+                # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
+                self.tb.add_text("config", f"```\n{config_text}\n```")
+        self.reset_timer()
+
+    def reset_timer(self) -> None:
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.log_freq == 0
+
+    def count_tokens(self, tokens: int) -> None:
+        """Tokens a step consumed on all ranks; the logged rate covers every step since the last log."""
+        self.tokens += tokens
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self.start
+        tps = self.tokens / seconds / self.world_size
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_second": tps,
+            "mfu": 100 * tps * self.flops_per_token / self.peak_flops,
+            "memory_gib": peak_memory_gib(self.device),
+        }
+        if self.is_writer:
+            logger.info(
+                f"step {step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
+                f"tokens/s {tps:9,.0f}  mfu {record['mfu']:5.2f}%  memory {record['memory_gib']:6.2f}GiB"
+            )
+            self.jsonl.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                for key, value in record.items():
+                    if key != "step":
+                        self.tb.add_scalar(f"train/{key}", value, step)
+        self.reset_timer()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

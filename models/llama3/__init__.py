@@ -1,0 +1,45 @@
+"""Llama 3 / 3.1 / 3.2: the model, its published sizes ("flavors") and how to parallelize it."""
+
+from components.config import Config
+from models.llama3.model import ModelArgs, Transformer
+from models.llama3.parallelize import parallelize_llama
+
+_LLAMA31_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=8.0)
+_LLAMA32_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=32.0)
+
+flavors = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, rope_theta=500000.0),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, tie_embeddings=True, **_LLAMA32_ROPE),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, tie_embeddings=True, **_LLAMA32_ROPE),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31_ROPE),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31_ROPE),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31_ROPE),
+}
+
+# [model] keys that, when set, replace the flavor's value.
+OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_rope_scaling", "vocab_size")
+
+
+def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
+    """The flavor's dimensions, with the [model] overrides and the tokenizer's vocabulary applied."""
+    if config.model.flavor not in flavors:
+        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    args = ModelArgs(**vars(flavors[config.model.flavor]))
+    args.vocab_size = vocab_size
+    for key in OVERRIDABLE:
+        value = getattr(config.model, key)
+        if value is not None:
+            setattr(args, key, value)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
+    if args.dim % args.n_heads:
+        raise ValueError(f"model.dim {args.dim} is not divisible by model.n_heads {args.n_heads}")
+    if args.n_heads % (args.n_kv_heads or args.n_heads):
+        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
+    if args.head_dim % 2:
+        raise ValueError(f"head dim {args.head_dim} (model.dim / model.n_heads) must be even for RoPE")
+    args.max_seq_len = config.training.seq_len
+    return args
+
+
+__all__ = ["ModelArgs", "Transformer", "build_model_args", "flavors", "parallelize_llama"]

@@ -1,0 +1,195 @@
+"""Llama 3 as a plain nn.Module: RMSNorm, RoPE with Llama 3.1 frequency scaling, grouped-query
+attention through scaled_dot_product_attention, SwiGLU feed-forward.
+
+The model is built on the meta device and filled by `init_weights()` after it has been
+parallelized, so every method here works on plain tensors and on DTensors alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output projection (Llama 3.2 1B/3B)."""
+    depth_init: bool = True
+    """Scale each block's output projections by its depth (1/sqrt(2*(layer+1))) rather than by the
+    total number of layers."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight (forward + backward) plus attention scores.
+
+        The embedding lookup does no matmul, so its weights are left out."""
+        head_dim, kv_dim = self.head_dim, (self.n_kv_heads or self.n_heads) * self.head_dim
+        per_layer = self.dim * (self.dim + 2 * kv_dim) + self.dim * self.dim + 3 * self.dim * self.ffn_hidden_dim
+        weights = self.n_layers * per_layer + self.dim * self.vocab_size
+        return 6 * weights + 12 * self.n_layers * self.n_heads * head_dim * seq_len
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """cos/sin of every position's rotation angles, shape (max_seq_len, head_dim // 2, 2).
+
+    With Llama 3.1 scaling, low frequencies (long wavelengths) are slowed by `rope_scaling_factor`,
+    high ones are kept, and the band between is interpolated smoothly."""
+    dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if args.use_rope_scaling:
+        wavelen = 2 * math.pi / freqs
+        low_freq_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
+        high_freq_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
+        smooth = (args.rope_original_max_seq_len / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor
+        )
+        scaled = freqs / args.rope_scaling_factor
+        between = (1 - smooth) * scaled + smooth * freqs
+        freqs = torch.where(wavelen > low_freq_wavelen, scaled, torch.where(wavelen < high_freq_wavelen, freqs, between))
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head by the angles in `rope`.
+
+    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads or args.n_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) in, logits (batch, seq, vocab) out.
+
+    Blocks live in a ModuleDict keyed by layer number so that a pipeline stage can drop the blocks
+    it does not own and keep the others' names (and so its checkpoint keys) unchanged."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope", rope_frequencies(args), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model."""
+        self.rope.copy_(rope_frequencies(self.args))
+        for block in self.layers.values():
+            block.init_weights()
+        self.norm.reset_parameters()
+        if self.args.tie_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight, std=0.02)
+        else:
+            nn.init.normal_(self.tok_embeddings.weight)
+            final_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        rope = self.rope[: tokens.shape[1]]
+        for block in self.layers.values():
+            h = block(h, rope)
+        return self.output(self.norm(h))

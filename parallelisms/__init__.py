@@ -1,0 +1,1 @@
+"""Each parallelism or efficiency technique as a plain function taking a module and a mesh."""

@@ -1,0 +1,93 @@
+import subprocess
+import sys
+
+import pytest
+
+from components.config import REPO_ROOT, Config, ConfigError, load_config, markdown_reference, to_toml
+
+
+def test_defaults_then_file_then_cli():
+    config = load_config(["--job.config_file", "debug_model.toml", "--training.steps", "7", "--optimizer.lr=0.01"])
+    assert config.job.config_file.endswith("train_configs/debug_model.toml")
+    assert config.model.flavor == "debugmodel"
+    assert config.training.seq_len == 256  # from the file
+    assert config.training.steps == 7 and config.optimizer.lr == 0.01  # from the command line
+    assert config.optimizer.beta2 == 0.95  # a default the file does not set
+
+
+def test_value_types_from_the_command_line():
+    config = load_config([
+        "--checkpoint.enable", "--metrics.enable_tensorboard", "false", "--model.ffn_dim_multiplier", "1.3",
+        "--float8.filter_fqns", "output,w2", "--lr_scheduler.decay_ratio", "0.2", "--model.n_layers", "3",
+    ])
+    assert config.checkpoint.enable is True and config.metrics.enable_tensorboard is False
+    assert config.model.ffn_dim_multiplier == 1.3 and config.model.n_layers == 3
+    assert config.float8.filter_fqns == ["output", "w2"] and config.lr_scheduler.decay_ratio == 0.2
+    assert load_config(["--float8.filter_fqns", '["a", "b"]']).float8.filter_fqns == ["a", "b"]
+    assert load_config(["--optimizer.lr", "1"]).optimizer.lr == 1.0  # an int is a valid float
+
+
+def test_later_config_file_wins(tmp_path):
+    other = tmp_path / "other.toml"
+    other.write_text("[training]\nsteps = 3\n")
+    config = load_config(["--job.config_file", "debug_model.toml", "--job.config_file", str(other)])
+    assert config.training.steps == 3 and config.training.seq_len == Config().training.seq_len
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stepz", "3"], "unknown config key 'training.stepz' (did you mean training.steps?)"),
+        (["--trainig.steps", "3"], "unknown config section 'trainig' (did you mean training.steps?)"),
+        (["--training.steps", "ten"], "training.steps must be int, got 'ten'"),
+        (["--checkpoint.enable", "yes"], "checkpoint.enable must be bool, got 'yes'"),
+        (["--checkpoint.async_mode", "fast"], "checkpoint.async_mode must be one of disabled, async, async_with_pinned_mem"),
+        (["--job.config_file", "no_such.toml"], "config file not found: no_such.toml"),
+        (["training.steps", "3"], "expected --section.key [value]"),
+    ],
+)
+def test_bad_input_names_the_key(argv, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    assert message in str(info.value)
+
+
+def test_bad_toml_files(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training]\nsteps = = 3\n")
+    with pytest.raises(ConfigError, match=r"cannot parse .*broken.toml: .*line 2"):
+        load_config(["--job.config_file", str(broken)])
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[training]\nsteps = "many"\n')
+    with pytest.raises(ConfigError, match=r"wrong.toml: training.steps must be int, got 'many'"):
+        load_config(["--job.config_file", str(wrong)])
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[optimizer]\nlearning_rate = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.learning_rate'"):
+        load_config(["--job.config_file", str(typo)])
+
+
+def test_dumped_toml_reloads_to_the_same_config(tmp_path):
+    config = load_config(["--job.config_file", "llama3_8b.toml", "--model.n_layers", "2", "--job.description", 'a "quoted" run'])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config))
+    reloaded = load_config(["--job.config_file", str(path)])
+    assert reloaded.job.config_file == str(path)
+    reloaded.job.config_file = config.job.config_file
+    assert reloaded == config
+
+
+def test_every_shipped_config_loads():
+    for path in sorted((REPO_ROOT / "train_configs").glob("*.toml")):
+        load_config(["--job.config_file", str(path)])
+
+
+def test_cli_exit_code_and_message():
+    result = subprocess.run([sys.executable, "-m", "components.config", "--training.stepz", "3"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "did you mean training.steps?" in result.stderr
+
+
+def test_configuration_reference_is_in_step_with_the_code():
+    documented = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    assert documented == markdown_reference(), "regenerate: python -m components.config --markdown > docs/configuration.md"

@@ -1,0 +1,45 @@
+import math
+
+import pytest
+import torch
+
+from components.config import LRScheduler
+from components.optim import build_lr_scheduler, lr_factor
+
+
+def test_warmup_then_linear_decay_over_all_remaining_steps():
+    cfg = LRScheduler(warmup_steps=4, decay_type="linear", min_lr_factor=0.0)
+    factors = [lr_factor(s, 12, cfg) for s in range(1, 13)]
+    assert factors[:4] == [1 / 5, 2 / 5, 3 / 5, 4 / 5]
+    assert factors[4:] == pytest.approx([7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8, 0.0])
+
+
+def test_warmup_stable_decay_shapes():
+    for decay_type, expected in [
+        ("linear", [1.0, 1.0, 1.0, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3, 0.1]),
+        ("sqrt", [1.0, 1.0, 1.0, 0.1 + 0.9 * (1 - math.sqrt(1 / 3)), 0.1 + 0.9 * (1 - math.sqrt(2 / 3)), 0.1]),
+        ("cosine", [1.0, 1.0, 1.0, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25, 0.1]),
+        ("constant", [1.0] * 6),
+    ]:
+        cfg = LRScheduler(warmup_steps=2, decay_ratio=0.375, decay_type=decay_type, min_lr_factor=0.1)
+        factors = [lr_factor(s, 8, cfg) for s in range(3, 9)]
+        assert factors == pytest.approx(expected), decay_type
+
+
+def test_scheduler_sets_optimizer_lr_per_step():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, LRScheduler(warmup_steps=1, decay_type="linear"))
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.1 * lr_factor(s, 10, LRScheduler(warmup_steps=1)) for s in range(1, 11)])
+    assert seen[0] == pytest.approx(0.05) and seen[-1] == pytest.approx(0.0)
+
+
+def test_impossible_schedule_is_rejected():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="exceed training.steps"):
+        build_lr_scheduler(optimizer, 10, LRScheduler(warmup_steps=8, decay_ratio=0.5))

@@ -1,0 +1,91 @@
+"""End-to-end runs of the trainer: the quick start, exact resume, data parallel parity, checkpoints."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, losses, read_metrics, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_start_run_trains_and_writes_everything(tmp_path):
+    """./run_train.sh on the default config (shortened), the way the README runs it."""
+    dump = tmp_path / "run"
+    env = dict(os.environ, NGPU="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(
+        ["./run_train.sh", "--training.steps", "60", "--checkpoint.interval", "30", "--job.dump_folder", str(dump)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(dump)
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    assert set(metrics[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib"}
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
+    assert first > 8.0 and last < first - 2.5, (first, last)
+    assert all(m["tokens_per_second"] > 0 and m["memory_gib"] > 0 for m in metrics)
+    assert "step     60  loss" in result.stderr
+    assert list((dump / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-30", "step-60"]
+    assert (dump / "config.toml").read_text().startswith("# git commit: ")
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_resume_is_bitwise_exact(tmp_path, train_in_process, async_mode):
+    """20 steps straight == 10 steps, then a resume from the step-10 checkpoint to 20."""
+    args = [*TINY, "--training.steps", "20", "--checkpoint.enable", "true", "--checkpoint.interval", "10",
+            "--checkpoint.async_mode", async_mode]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_in_process([*args, "--job.dump_folder", str(straight)]) == 0
+    assert train_in_process([*args, "--job.dump_folder", str(resumed)]) == 0
+    shutil.rmtree(resumed / "checkpoint" / "step-20")
+    (resumed / "metrics.jsonl").write_text("")
+    assert train_in_process([*args, "--job.dump_folder", str(resumed)]) == 0
+    again = losses(resumed)
+    assert sorted(again) == list(range(11, 21))
+    assert all(again[s] == losses(straight)[s] for s in again), (again, losses(straight))
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, train_in_process):
+    big, accumulated = tmp_path / "big", tmp_path / "accumulated"
+    assert train_in_process([*TINY, "--training.steps", "4", "--training.local_batch_size", "8", "--job.dump_folder", str(big)]) == 0
+    assert train_in_process([*TINY, "--training.steps", "4", "--training.local_batch_size", "2",
+                             "--training.global_batch_size", "8", "--job.dump_folder", str(accumulated)]) == 0
+    for step, loss in losses(big).items():
+        assert loss == pytest.approx(losses(accumulated)[step], rel=1e-5)
+
+
+def test_fsdp_on_two_processes_matches_one_process(tmp_path, train_in_process):
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = [*TINY, "--training.steps", "8", "--training.global_batch_size", "8"]
+    assert train_in_process([*common, "--training.local_batch_size", "8", "--job.dump_folder", str(one)]) == 0
+    torchrun(2, [*common, "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
+                 "--job.dump_folder", str(two)])
+    for step, loss in losses(one).items():
+        assert loss == pytest.approx(losses(two)[step], rel=1e-4), step
+
+
+def test_seed_checkpoint_and_initial_load_path(tmp_path, train_in_process):
+    seed = tmp_path / "seed"
+    assert train_in_process([*TINY, "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(seed)]) == 0
+    assert (seed / "checkpoint" / "step-0" / ".metadata").is_file()
+    # Different training seeds, same starting weights: the first losses agree.
+    a, b = tmp_path / "a", tmp_path / "b"
+    for dump, training_seed in ((a, "1"), (b, "2")):
+        assert train_in_process([*TINY, "--training.steps", "1", "--training.seed", training_seed,
+                                 "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
+                                 "--job.dump_folder", str(dump)]) == 0
+    assert losses(a)[1] == losses(b)[1]
+
+
+def test_bad_input_fails_with_a_clear_message(tmp_path, train_in_process, capsys):
+    assert train_in_process([*TINY, "--model.tokenizer_path", str(tmp_path / "none.model"), "--job.dump_folder", str(tmp_path)]) == 2
+    assert "none.model" in capsys.readouterr().err
+    assert train_in_process([*TINY, "--training.global_batch_size", "6", "--job.dump_folder", str(tmp_path)]) == 2
+    assert "must be a multiple of training.local_batch_size" in capsys.readouterr().err
+    assert train_in_process([*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]) == 2
+    assert "parallelism" in capsys.readouterr().err
