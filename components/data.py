@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ def load_documents(path: str, text_field: str):
 
     Accepts a directory written by `datasets.save_to_disk`, a file, a glob or a directory of
     JSON/JSONL (one object per line), text (one document per file) or Parquet files."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach for the hub
     import datasets
 
     if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():
