@@ -119,6 +119,13 @@ class Parallelism:
     context_parallel_degree: int = 1
     fsdp_reshard_after_forward: str = "default"
     """One of default, always, never."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (CUDA with compile.enable only)."""
+    pipeline_parallel_schedule: str = "1F1B"
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch; local_batch_size must be a multiple."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per pipeline stage; unset: split evenly over the stages."""
 
 
 @dataclass
@@ -229,6 +236,7 @@ CHOICES = {
     "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),

@@ -91,9 +91,18 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
+    """Grouped-query attention. `sdpa` computes attention from q, k, v and may be swapped, e.g. by
+    context parallelism for one that sees the keys and values of the whole sequence."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.sdpa = causal_attention
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads or args.n_heads
         self.head_dim = args.head_dim
@@ -115,7 +124,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.sdpa(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -160,7 +169,10 @@ class Transformer(nn.Module):
     """Token ids (batch, seq) in, logits (batch, seq, vocab) out.
 
     Blocks live in a ModuleDict keyed by layer number so that a pipeline stage can drop the blocks
-    it does not own and keep the others' names (and so its checkpoint keys) unchanged."""
+    it does not own and keep the others' names (and so its checkpoint keys) unchanged. A stage
+    without `tok_embeddings` takes hidden states as input; one without `output` returns them.
+    `positions` (None: 0..seq-1) are the sequence positions of the tokens a forward sees, which
+    context parallelism sets to the positions of this rank's share of the sequence."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -172,24 +184,27 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.positions: torch.Tensor | None = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model."""
+        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
+        pipeline stage that holds only some of the modules."""
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        self.norm.reset_parameters()
-        if self.args.tie_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight, std=0.02)
-        else:
-            nn.init.normal_(self.tok_embeddings.weight)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
+        if self.output is not None and not self.args.tie_embeddings:
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        rope = self.rope[: tokens.shape[1]]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[: tokens.shape[1]] if self.positions is None else self.rope[self.positions]
         for block in self.layers.values():
             h = block(h, rope)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
