@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,14 +18,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
-from components.data import build_dataloader
+from components.data.loaders import build_dataloader, build_validation_dataloader
+from components.data.documents import document_ids
 from components.distributed import ParallelDims, init_distributed, set_collective_timeout
-from components.metrics import MetricsLogger
-from components.optim import build_lr_scheduler, build_optimizer
+from components.hf import load_hf_weights
+from components.layer_metrics import LayerMetrics
+from components.metrics import MetricsLogger, peak_memory_gib
+from components.optim import LRSchedule, Optimizers, clip_grad_norm
+from components.profiling import Profiler
 from components.tokenizer import build_tokenizer
+from parallelisms.context_parallel import shard_sequence
+from parallelisms.float8 import precompute_float8_scales
 
 logger = logging.getLogger("ingot")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata, harmless
@@ -33,12 +42,17 @@ def setup_logging(rank: int) -> None:
     """Rank 0 speaks; the other ranks report only warnings and errors."""
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # it warns about GPU kernels it could not load
 
 
-def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip gradients to `max_norm` (0: no clipping) and return their global norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor, gathered if it is a DTensor (a loss computed under loss parallel)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def train(config: Config) -> None:
@@ -59,6 +73,8 @@ def train(config: Config) -> None:
             f"({training.local_batch_size}) x data-parallel degree ({dp_size}) = {local_per_step}"
         )
     grad_accum_steps = global_batch // local_per_step
+    if config.validation.enable and min(config.validation.freq, config.validation.steps) < 1:
+        raise ConfigError("validation.freq and validation.steps must be >= 1")
 
     torch.manual_seed(training.seed)
     if training.deterministic:
@@ -75,19 +91,35 @@ def train(config: Config) -> None:
         model = model_package.Transformer(model_args)
     n_params = sum(p.numel() for p in model.parameters())
 
-    # --- Parallelize, then initialize --------------------------------------------------------
+    # --- Split into pipeline stages, parallelize, then initialize -----------------------------
     # DTensor draws random numbers layout-independently only on CUDA-like devices. Elsewhere the
-    # full model is initialized before sharding, so every layout starts from the same weights.
+    # full model is initialized before it is split and sharded, so every layout starts alike.
     init_before_sharding = device.type == "cpu"
     if init_before_sharding:
         model.to_empty(device=device)
         model.init_weights()
-    model = model_package.parallelize_llama(model, dims, mesh, config)
-    if not init_before_sharding:
-        model.to_empty(device=device)
-        model.init_weights()
-    model.train()
-    params_per_rank = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    if dims.pp > 1:
+        model_parts, stage_ids, num_stages = model_package.split_for_pipeline(model, mesh["pp"], config)
+    else:
+        model_parts = [model]
+    model_parts = [model_package.parallelize(part, dims, mesh, config, device) for part in model_parts]
+    if not init_before_sharding and dims.pp > 1:
+        # Each pipeline stage draws its own weights. DTensor's RNG would otherwise copy rank 0's
+        # state to every rank (private API: torch has no public way to opt out of that sync).
+        torch.distributed.tensor._random.manual_seed(training.seed + mesh["pp"].get_local_rank(), mesh)
+    for part in model_parts:
+        if not init_before_sharding:
+            part.to_empty(device=device)
+            part.init_weights()
+        part.train()
+    use_loss_parallel = dims.tp > 1
+    loss_fn = torch.compile(cross_entropy_loss) if config.compile.enable and not use_loss_parallel else cross_entropy_loss
+    if dims.pp > 1:
+        schedule = model_package.build_pipeline_schedule(
+            model_parts, stage_ids, num_stages, mesh["pp"], config, device, loss_fn, grad_accum_steps
+        )
+        has_first_stage, has_last_stage = 0 in stage_ids, num_stages - 1 in stage_ids
+    params_per_rank = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for part in model_parts for p in part.parameters())
     logger.info(
         f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M parameters, "
         f"{params_per_rank / 1e6:.2f}M on this rank | global batch {global_batch} x {training.seq_len} tokens, "
@@ -95,15 +127,13 @@ def train(config: Config) -> None:
     )
 
     # --- Optimizer, schedule, data and checkpoints -------------------------------------------
-    optimizer = build_optimizer(model, config.optimizer)
-    lr_scheduler = build_lr_scheduler(optimizer, training.steps, config.lr_scheduler)
-    dataloader = build_dataloader(
-        training.dataset_path, training.dataset_text_field, tokenizer, training.seq_len, training.local_batch_size,
-        dp_rank, dp_size,
-    )
+    optimizers = Optimizers(model_parts, config.optimizer)
+    lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
+    dataloader = build_dataloader(config, tokenizer, dp_rank, dp_size)
     train_state = TrainState()
     checkpointer = CheckpointManager(
-        config.checkpoint, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state, training.steps, device
+        config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, training.steps, device,
+        load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
     )
     if config.checkpoint.create_seed_checkpoint:
         if world_size != 1:
@@ -117,39 +147,110 @@ def train(config: Config) -> None:
         return
 
     metrics = MetricsLogger(
-        dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0, to_toml(config)
+        dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0, to_toml(config),
+        matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param,
+    )
+    layer_metrics = (
+        LayerMetrics(model_parts, model_args.n_layers, mesh["pp"].get_group() if dims.pp > 1 else None)
+        if config.metrics.per_layer else None
     )
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
-    dp_group = dims.dp_mesh.get_group()
     data_iter = iter(dataloader)
     tokens_per_step = global_batch * training.seq_len
+    precompute_float8 = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
+
+    def prepare(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's inputs, labels and (with document masking) document ids of a batch of windows."""
+        batch = batch.to(device, non_blocking=True)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        documents = document_ids(inputs, tokenizer.eos_id) if training.document_masking else None
+        if dims.cp > 1:  # each context-parallel rank takes its share of the sequence
+            inputs, labels = shard_sequence(inputs, mesh["cp"]), shard_sequence(labels, mesh["cp"])
+        return inputs, labels, documents
+
+    def mean_over_ranks(loss_sum: torch.Tensor) -> torch.Tensor:
+        """A loss summed on the last pipeline stage, averaged over data- and context-parallel ranks."""
+        if dims.pp > 1:  # only the last stage computed it
+            dist.all_reduce(loss_sum, group=mesh["pp"].get_group())
+        if dims.dp * dims.cp > 1:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=dims.loss_mesh.get_group())
+        return loss_sum
+
+    @torch.no_grad()
+    def validation_loss() -> float:
+        """Mean loss over the first validation.steps batches of the validation data."""
+        for part in model_parts:
+            part.eval()
+        batches = iter(build_validation_dataloader(config, tokenizer, dp_rank, dp_size))
+        loss_sum = torch.zeros((), device=device)
+        with loss_parallel() if use_loss_parallel else nullcontext():
+            for _ in range(config.validation.steps):
+                inputs, labels, documents = prepare(next(batches))
+                if dims.pp > 1:
+                    losses = [] if has_last_stage else None
+                    schedule.eval(*([inputs] if has_first_stage else []), target=labels if has_last_stage else None, losses=losses)
+                    if has_last_stage:  # the schedule's losses are scaled for gradient accumulation
+                        loss_sum += grad_accum_steps * torch.stack([full(l) for l in losses]).sum()
+                else:
+                    loss_sum += full(loss_fn(model_parts[0](inputs, documents), labels))
+        for part in model_parts:
+            part.train()
+        return mean_over_ranks(loss_sum).item() / config.validation.steps
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
-    for step in range(start_step + 1, training.steps + 1):
-        optimizer.zero_grad()
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            batch = next(data_iter).to(device, non_blocking=True)
-            inputs, labels = batch[:, :-1], batch[:, 1:]
-            if isinstance(model, FSDPModule):  # reduce gradients across ranks on the last micro-batch only
-                model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / grad_accum_steps
-            loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = grad_norm_and_clip(model, training.max_norm)
-        lr = lr_scheduler.get_last_lr()[0]
-        optimizer.step()
-        lr_scheduler.step()
-        train_state.step = step
+    with Profiler(config.profiling, dump_folder, rank, device) as profiler:
+        for step in range(start_step + 1, training.steps + 1):
+            optimizers.zero_grad()
+            loss_sum = torch.zeros((), device=device)
+            log_this_step = metrics.should_log(step)
+            # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
+            # which would pollute the per-layer statistics.
+            log_layers = layer_metrics is not None and log_this_step and not (dims.pp > 1 and step == start_step + 1)
+            if log_layers:
+                layer_metrics.start()
+            for micro_step in range(grad_accum_steps):
+                inputs, labels, documents = prepare(next(data_iter))
+                for part in model_parts:  # reduce gradients across ranks on the last micro-batch only
+                    if isinstance(part, FSDPModule):
+                        part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+                with loss_parallel() if use_loss_parallel else nullcontext():
+                    if dims.pp > 1:
+                        # The schedule runs forward and backward of every micro-batch of the pipeline;
+                        # the last stage's losses are already divided by the number of micro-batches.
+                        losses = [] if has_last_stage else None
+                        schedule.step(
+                            *([inputs] if has_first_stage else []), target=labels if has_last_stage else None,
+                            losses=losses, return_outputs=False,
+                        )
+                        if has_last_stage:
+                            loss_sum += torch.stack([full(l) for l in losses]).detach().sum()
+                    else:
+                        loss = loss_fn(model_parts[0](inputs, documents), labels) / grad_accum_steps
+                        loss.backward()
+                        loss_sum += full(loss).detach()
+            layers = layer_metrics.collect(device) if log_layers else None
+            grad_norm = clip_grad_norm(model_parts, training.max_norm, mesh["pp"].get_group() if dims.pp > 1 else None)
+            lr = lr_schedule.lr
+            optimizers.step()
+            lr_schedule.step()
+            if precompute_float8:
+                for part in model_parts:
+                    precompute_float8_scales(part)
+            train_state.step = step
 
-        metrics.count_tokens(tokens_per_step)
-        if metrics.should_log(step):
-            if dp_size > 1:
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=dp_group)
-            metrics.log(step, loss_sum.item(), grad_norm.item(), lr)
-        checkpointer.maybe_save(step)
+            metrics.count_tokens(tokens_per_step)
+            if log_this_step:
+                metrics.log(step, mean_over_ranks(loss_sum).item(), grad_norm.item(), lr)
+            if layers:
+                metrics.log_layers(step, layers)
+            if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):
+                start = time.perf_counter()
+                metrics.log_validation(step, validation_loss(), time.perf_counter() - start)
+            if step == start_step + 1:
+                logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
+            checkpointer.maybe_save(step)
+            profiler.step(step)
 
     checkpointer.close()
     metrics.close()

@@ -4,7 +4,7 @@ A checkpoint is the folder <dump_folder>/<checkpoint.folder>/step-N holding the 
 LR scheduler, data loader position, RNG states and the step. Each rank writes its own shards, and DCP
 reshards on load, so a checkpoint saved under one parallel layout loads under another. A run whose
 dump folder already holds a checkpoint resumes from the newest complete one; otherwise it may start
-from the weights in `checkpoint.initial_load_path`.
+from the weights in `checkpoint.initial_load_path`: a DCP checkpoint or a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -15,17 +15,13 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -37,25 +33,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The weights of all model parts (pipeline stages) of this rank, keyed by parameter name as in
+    the whole model, so that the keys do not depend on the layout."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.model_parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        # DCP has already checked that every key of this rank's parts was in the checkpoint; each
+        # part takes its own keys from the merged dict.
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
 
 
 class TrainState(Stateful):
@@ -91,20 +82,29 @@ def step_folders(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder: config.json and safetensors weights."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def is_model_only(path: Path) -> bool:
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return not any(key.startswith("train_state.") for key in keys)
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model: nn.Module, optimizer, lr_scheduler, dataloader,
-                 train_state: TrainState, total_steps: int, device: torch.device):
-        self.cfg, self.model, self.total_steps = cfg, model, total_steps
+    def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model_parts: list[nn.Module], optimizers: Stateful,
+                 lr_schedule: Stateful, dataloader, train_state: TrainState, total_steps: int, device: torch.device,
+                 load_hf: Callable[[Path], None]):
+        """`load_hf(path)` loads the weights of a Hugging Face folder into the model parts
+        (components.hf.load_hf_weights), for an initial_load_path that is one."""
+        self.cfg, self.total_steps = cfg, total_steps
+        self.load_hf = load_hf
         self.folder = dump_folder / cfg.folder
         self.states = {
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizer),
-            "lr_scheduler": lr_scheduler,
+            "model": ModelState(model_parts),
+            "optimizer": optimizers,
+            "lr_scheduler": lr_schedule,
             "dataloader": dataloader,
             "train_state": train_state,
         }
@@ -147,10 +147,14 @@ class CheckpointManager:
         return 0
 
     def _load_weights(self, path: Path) -> int:
-        if not (path / ".metadata").is_file():
-            raise FileNotFoundError(f"no DCP checkpoint at {path} (its .metadata file is missing)")
-        dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
-        logger.info(f"loaded model weights from {path}; training starts at step 1")
+        start = time.perf_counter()
+        if is_hf_folder(path):
+            self.load_hf(path)
+        elif (path / ".metadata").is_file():
+            dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+        else:
+            raise FileNotFoundError(f"no DCP checkpoint (.metadata) or Hugging Face model (config.json, *.safetensors) at {path}")
+        logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s; training starts at step 1")
         return 0
 
     def save_seed(self) -> Path:
@@ -168,7 +172,7 @@ class CheckpointManager:
         start = time.perf_counter()
         if last and self.cfg.last_save_model_only:
             dtype = DTYPES[self.cfg.export_dtype]
-            weights = {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}
+            weights = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
             dcp.save({"model": weights}, checkpoint_id=str(path))
         elif self.mode == "disabled":
             dcp.save(self.states, checkpoint_id=str(path))

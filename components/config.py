@@ -43,7 +43,8 @@ class Model:
     """Package under models/ that holds the model, its flavors and its parallelize function."""
     flavor: str = "debugmodel"
     tokenizer_path: str = "tests/assets/tokenizers/shakespeare_bpe_4k.model"
-    """A sentencepiece .model or a tiktoken BPE-ranks file (Llama 3's tokenizer.model)."""
+    """A sentencepiece .model, a tiktoken BPE-ranks file (Llama 3's tokenizer.model) or a Hugging Face
+    tokenizer.json (or a folder holding one; needs the tokenizers package: pip install 'ingot[hf]')."""
     n_layers: int | None = None
     """This and the keys below override the flavor's value when set (handy for ablations)."""
     dim: int | None = None
@@ -51,12 +52,21 @@ class Model:
     n_kv_heads: int | None = None
     multiple_of: int | None = None
     ffn_dim_multiplier: float | None = None
+    ffn_dim: int | None = None
+    """The feed-forward hidden size, replacing the multiple_of / ffn_dim_multiplier rule (e.g. for
+    a Hugging Face checkpoint whose intermediate_size that rule does not give)."""
     norm_eps: float | None = None
     rope_theta: float | None = None
     use_rope_scaling: bool | None = None
     """Llama 3.1 RoPE frequency scaling for long context."""
+    rope_scaling_factor: float | None = None
+    """How much Llama 3.1 scaling slows the low frequencies (8 for Llama 3.1, 32 for Llama 3.2)."""
+    tie_embeddings: bool | None = None
+    """One matrix for the token embedding and the output projection (Llama 3.2 1B and 3B)."""
     vocab_size: int | None = None
     """Defaults to the tokenizer's vocabulary; may be set larger (e.g. padded to a multiple of 64)."""
+    rope_per_document: bool = False
+    """With training.document_masking: RoPE positions restart at 0 at each document."""
 
 
 @dataclass
@@ -99,10 +109,16 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower on CUDA)."""
     dataset: str = "hf"
-    """hf: local JSON/JSONL/text/Parquet files read with Hugging Face datasets, packed on the fly."""
-    dataset_path: str = "tests/assets/shakespeare/train.jsonl"
-    """A file, a glob, a directory of files or a directory written by datasets.save_to_disk."""
+    """hf: local JSON/JSONL/text/Parquet files read with Hugging Face datasets, packed on the fly;
+    packed: folders written by python -m components.data.preprocess, memory-mapped."""
+    dataset_path: list[str] = field(default_factory=lambda: ["tests/assets/shakespeare/train.jsonl"])
+    """hf: files, globs, directories of files or a directory written by datasets.save_to_disk.
+    packed: folders, each optionally with a blend weight ("a:0.7,b:0.3")."""
     dataset_text_field: str = "text"
+    dataloader_workers: int = 2
+    """Worker processes reading packed data (0: in the training process)."""
+    document_masking: bool = False
+    """Attention never crosses a document boundary (EOS) inside a packed window."""
     mixed_precision_param: str = "bfloat16"
     """dtype of parameters in forward/backward (float32 keeps full precision; use it on CPU)."""
     mixed_precision_reduce: str = "float32"
@@ -122,6 +138,8 @@ class Parallelism:
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with compute (CUDA with compile.enable only)."""
     pipeline_parallel_schedule: str = "1F1B"
+    """One of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+    DualPipeV (those the installed torch offers)."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch; local_batch_size must be a multiple."""
     pipeline_parallel_layers_per_stage: int | None = None
@@ -140,7 +158,8 @@ class Checkpoint:
     keep_latest_k: int = 0
     """Keep only the newest k checkpoints; 0 keeps all."""
     initial_load_path: str = ""
-    """A checkpoint folder to start from when the dump folder has none (weights only)."""
+    """A checkpoint folder to start from when the dump folder has none (weights only): a DCP
+    checkpoint, or a Hugging Face model folder (config.json and *.safetensors, see docs/hf.md)."""
     last_save_model_only: bool = False
     """The final checkpoint holds only the model weights, in export_dtype."""
     export_dtype: str = "float32"
@@ -151,24 +170,30 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = "none"
-    """One of none, full, selective (not available yet)."""
+    """One of none, full (recompute every block in backward), selective."""
     selective_ac_option: str = "2"
+    """With selective: N checkpoints every N-th block; "op" checkpoints every block but keeps the
+    outputs of its matmuls and attention."""
 
 
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block (not available yet)."""
+    """torch.compile each transformer block (and the loss); CPU (inductor) and CUDA."""
 
 
 @dataclass
 class Float8:
     enable: bool = False
-    """float8 training with torchao (not available yet)."""
+    """float8 matmuls in nn.Linear layers with torchao (emulated where the GPU lacks float8)."""
     recipe_name: str = "tensorwise"
+    """One of tensorwise (one scale per tensor), rowwise (one per row)."""
     enable_fsdp_float8_all_gather: bool = False
+    """FSDP all-gathers weights already cast to float8 (tensorwise only)."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute the scales of all float8 weights in one go after each optimizer step."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains one of these stay in high precision."""
 
 
 @dataclass
@@ -176,26 +201,38 @@ class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
     save_tb_folder: str = "tb"
-    peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for MFU; 0 = known GPUs from a table, on CPU a measured
-    fp32 matmul rate."""
+    peak_flops: float = 0.0
+    """Peak dense FLOP/s of one device for MFU (e.g. 989e12); 0 = from a table of known GPUs by the
+    training dtype, on CPU a matmul rate measured at start-up."""
+    per_layer: bool = False
+    """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
 
 
 @dataclass
 class Validation:
     enable: bool = False
-    """Validation loss on a held-out split (not available yet)."""
+    """Log the validation loss and perplexity every `freq` steps and after the last step."""
     dataset_path: str = "tests/assets/shakespeare/validation.jsonl"
+    """A packed folder (its validation split is used) or hf files, as training.dataset_path."""
     freq: int = 500
     steps: int = 10
+    """Batches (local_batch_size x data-parallel degree windows each) from the start of the data."""
 
 
 @dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Write a torch.profiler trace every profile_freq steps (not available yet)."""
+    """Record torch.profiler traces (a chrome trace per rank) every profile_freq steps."""
     save_traces_folder: str = "profile_traces"
+    """Under the dump folder: <folder>/step-N/rank<R>_trace.json."""
     profile_freq: int = 100
+    profiler_warmup: int = 3
+    """Steps the profiler runs before recording, in each profile_freq window."""
+    profiler_active: int = 1
+    """Steps recorded in each window."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: dump torch.cuda.memory snapshots (pickles for pytorch.org/memory_viz) at the end of
+    each profiled window and on out-of-memory."""
 
 
 @dataclass
@@ -232,11 +269,11 @@ CHOICES = {
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("foreach", "fused", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "constant"),
-    "training.dataset": ("hf",),
+    "training.dataset": ("hf", "packed"),
     "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),

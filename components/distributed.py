@@ -99,10 +99,18 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with every dimension, size-1 ones too, so code can always index by name.
 
-        Also sets `dp_mesh` (the ranks that load different data: replicas x shards, flattened) and
-        `fsdp_mesh` (what FSDP shards over: 1-D, or 2-D (replicate, shard) for HSDP)."""
+        Also sets the meshes of several dimensions taken together:
+        - `dp_mesh`: the ranks that load different data (replicas x shards);
+        - `fsdp_mesh`: what FSDP shards parameters over: shards x context-parallel ranks (these see
+          the same parameters), with replicas as a second dimension for HSDP;
+        - `loss_mesh`: the ranks whose losses are averaged for logging (dp x cp)."""
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         # DeviceMesh._flatten is private, but it is how torch makes one group out of several dims.
         self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        self.fsdp_mesh = mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        self.loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        shard = "dp_shard"
+        if self.cp > 1:
+            shard = "dp_shard_cp"
+            mesh["dp_shard", "cp"]._flatten(shard)
+        self.fsdp_mesh = mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
         return mesh

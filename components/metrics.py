@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -16,20 +18,30 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peak TFLOP/s (no sparsity) of the GPUs we know, matched against the device name.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "B200": 2250.0}
+# Dense peak TFLOP/s (no sparsity) of the GPUs we know by the dtype of the matmuls, matched against
+# the device name; fp32 matmuls run as TF32. The datasheets' SXM figures.
+GPU_PEAK_TFLOPS = {
+    "B200": {"float8": 4500.0, "bfloat16": 2250.0, "float32": 1100.0},
+    "H200": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
+    "H100": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
+    "H800": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
+    "A100": {"bfloat16": 312.0, "float32": 156.0},
+    "A800": {"bfloat16": 312.0, "float32": 156.0},
+}
 
 
-def peak_flops(device: torch.device, configured_tflops: float) -> tuple[float, str]:
-    """Peak FLOP/s of one device for MFU, and where the figure comes from."""
-    if configured_tflops > 0:
-        return configured_tflops * 1e12, "metrics.peak_tflops"
+def peak_flops(device: torch.device, configured: float, dtype: str = "bfloat16") -> tuple[float, str]:
+    """Peak FLOP/s of one device for MFU with matmuls in `dtype` (float8, bfloat16, float32), and
+    where the figure comes from."""
+    if configured > 0:
+        return configured, "metrics.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
+        for key, by_dtype in GPU_PEAK_TFLOPS.items():
             if key in name:
-                return tflops * 1e12, f"{name} bf16 datasheet"
-        logger.warning(f"unknown GPU {name!r}: set metrics.peak_tflops for a meaningful MFU")
+                tflops = by_dtype.get(dtype, by_dtype["bfloat16"])
+                return tflops * 1e12, f"{name} {dtype if dtype in by_dtype else 'bfloat16'} datasheet"
+        logger.warning(f"unknown GPU {name!r}: set metrics.peak_flops for a meaningful MFU")
         return float("nan"), "unknown"
     # No datasheet for an arbitrary CPU: measure what an fp32 matmul reaches on this process's threads.
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
@@ -40,20 +52,35 @@ def peak_flops(device: torch.device, configured_tflops: float) -> tuple[float, s
     return repeats * 2 * 1024**3 / (time.perf_counter() - start), "measured fp32 matmul"
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process. On Linux, VmHWM of /proc/self/status: ru_maxrss
+    carries over across execve, so a process started by a large one (pytest, a notebook) would
+    report its parent's peak until it exceeds it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return peak_rss_bytes() / 2**30
 
 
 class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 
     def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int, is_writer: bool,
-                 config_text: str = ""):
+                 config_text: str = "", matmul_dtype: str = "float32"):
         self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
         self.log_freq, self.is_writer = cfg.log_freq, is_writer
-        self.peak_flops, source = peak_flops(device, cfg.peak_tflops)
+        self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
         self.jsonl = self.tb = None
         if is_writer:
             logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})")
@@ -101,6 +128,29 @@ class MetricsLogger:
                     if key != "step":
                         self.tb.add_scalar(f"train/{key}", value, step)
         self.reset_timer()
+
+    def log_validation(self, step: int, loss: float, seconds: float) -> None:
+        """Log a validation loss; the seconds it took do not count against training throughput."""
+        self.start += seconds
+        if not self.is_writer:
+            return
+        perplexity = math.exp(min(loss, 100.0))
+        logger.info(f"validation at step {step}: loss {loss:8.4f}  perplexity {perplexity:10.2f}  ({seconds:.1f}s)")
+        self.jsonl.write(json.dumps({"step": step, "val_loss": loss, "val_perplexity": perplexity}) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", loss, step)
+            self.tb.add_scalar("validation/perplexity", perplexity, step)
+
+    def log_layers(self, step: int, layers: dict[int, dict[str, float]]) -> None:
+        """Per-block statistics (components/layer_metrics.py): one metrics.jsonl record, and
+        TensorBoard scalars layers/<field>/<layer>."""
+        if not self.is_writer:
+            return
+        self.jsonl.write(json.dumps({"step": step, "layers": layers}) + "\n")
+        if self.tb is not None:
+            for layer, fields in layers.items():
+                for field, value in fields.items():
+                    self.tb.add_scalar(f"layers/{field}/{layer}", value, step)
 
     def close(self) -> None:
         if self.jsonl is not None:

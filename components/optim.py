@@ -1,4 +1,9 @@
-"""AdamW and the learning-rate schedule: linear warmup, an optional stable phase, then decay."""
+"""AdamW over one or more model parts, and the learning-rate schedule: linear warmup, an optional
+stable phase, then decay.
+
+Under pipeline parallelism a rank holds several model parts (stages); each gets its own optimizer,
+and the container below makes them act as one, with a state dict keyed by parameter name so that a
+checkpoint loads under any layout."""
 
 from __future__ import annotations
 
@@ -6,16 +11,50 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from components.config import LRScheduler as LRSchedulerConfig
 from components.config import Optimizer as OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[cfg.implementation]
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
-    )
+# Flattened keys ("state.layers.0.attention.wq.weight.exp_avg") let every model part find its own
+# entries in one merged dict.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Optimizers(Stateful):
+    """One AdamW per model part, stepped together."""
+
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
+        impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[cfg.implementation]
+        self.model_parts = model_parts
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
+            for part in model_parts
+        ]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def state_dict(self) -> dict:
+        merged = {}
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        return merged
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
@@ -41,14 +80,57 @@ def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
     return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * remaining
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: LRSchedulerConfig):
-    """A LambdaLR whose step count is saved in checkpoints; the schedule itself comes from config."""
-    if cfg.decay_ratio is not None and not 0 <= cfg.decay_ratio <= 1:
-        raise ValueError(f"lr_scheduler.decay_ratio must be between 0 and 1, got {cfg.decay_ratio}")
-    if cfg.decay_ratio is not None and cfg.warmup_steps + round(total_steps * cfg.decay_ratio) > total_steps:
-        raise ValueError(
-            f"lr_scheduler.warmup_steps ({cfg.warmup_steps}) + decay_ratio*training.steps "
-            f"({round(total_steps * cfg.decay_ratio)}) exceed training.steps ({total_steps})"
-        )
-    # LambdaLR counts from 0 for the first optimizer step; lr_factor counts steps from 1.
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i + 1, total_steps, cfg))
+class LRSchedule(Stateful):
+    """Sets every param group's lr to peak lr x lr_factor(step) before each optimizer step.
+
+    Only the number of steps taken is state; the schedule itself comes from the config."""
+
+    def __init__(self, optimizers: Optimizers, total_steps: int, cfg: LRSchedulerConfig, peak_lr: float):
+        if cfg.decay_ratio is not None and not 0 <= cfg.decay_ratio <= 1:
+            raise ValueError(f"lr_scheduler.decay_ratio must be between 0 and 1, got {cfg.decay_ratio}")
+        if cfg.decay_ratio is not None and cfg.warmup_steps + round(total_steps * cfg.decay_ratio) > total_steps:
+            raise ValueError(
+                f"lr_scheduler.warmup_steps ({cfg.warmup_steps}) + decay_ratio*training.steps "
+                f"({round(total_steps * cfg.decay_ratio)}) exceed training.steps ({total_steps})"
+            )
+        self.optimizers, self.total_steps, self.cfg, self.peak_lr = optimizers, total_steps, cfg, peak_lr
+        self.steps_taken = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The lr of the next optimizer step."""
+        return self.peak_lr * lr_factor(self.steps_taken + 1, self.total_steps, self.cfg)
+
+    def _apply(self) -> None:
+        for group in self.optimizers.param_groups:
+            group["lr"] = self.lr
+
+    def step(self) -> None:
+        self.steps_taken += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"steps_taken": self.steps_taken}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps_taken = int(state_dict["steps_taken"])
+        self._apply()
+
+
+def clip_grad_norm(model_parts: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
+
+    Under pipeline parallelism each rank sees only its stages' gradients, so the squared norms
+    are summed over the pipeline group first."""
+    grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, torch.distributed.tensor.DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        squared = norm**2
+        torch.distributed.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for part in model_parts for p in part.parameters()], max_norm, norm, foreach=True)
+    return norm

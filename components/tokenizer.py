@@ -1,12 +1,14 @@
-"""Tokenizers behind one interface: sentencepiece models and tiktoken BPE-ranks files (Llama 3).
+"""Tokenizers behind one interface: sentencepiece models, tiktoken BPE-ranks files (Llama 3) and
+Hugging Face `tokenizer.json` files (through the optional `tokenizers` package).
 
-`build_tokenizer(path)` picks the format from the file's content, not its name: Llama 3's tiktoken
+`build_tokenizer(path)` picks the format from the file, mostly from its content: Llama 3's tiktoken
 file and sentencepiece models are both commonly called tokenizer.model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -115,21 +117,169 @@ class TiktokenTokenizer(Tokenizer):
         return self._encoding.decode(list(ids))
 
 
+class MissingDependencyError(ImportError, ValueError):
+    """An optional package that a tokenizer file needs is not installed. Also a ValueError, so the
+    command-line entry points, which report a bad tokenizer path (ValueError) as a usage error, print
+    the install hint instead of a traceback."""
+
+
+HF_BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<|endoftext|>")
+HF_EOS_TOKENS = ("<|end_of_text|>", "</s>", "<|endoftext|>")
+"""Well-known BOS and EOS tokens, looked up in this order when tokenizer_config.json names none."""
+
+
+def _import_hf_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise MissingDependencyError(
+            "reading a Hugging Face tokenizer.json needs the optional `tokenizers` package: "
+            "pip install 'ingot[hf]' (or pip install tokenizers)") from e
+    return tokenizers
+
+
+def _hf_files(path: Path) -> tuple[Path, Path | None]:
+    """The tokenizer.json of a HF tokenizer at `path` (the file, or a folder holding one) and the
+    tokenizer_config.json next to it, if there is one."""
+    file = path / "tokenizer.json" if path.is_dir() else path
+    config = file.parent / "tokenizer_config.json"
+    return file, (config if config.is_file() and config != file else None)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json`, read by the `tokenizers` library.
+
+    Text is encoded without the tokenizer's own post-processor (`add_special_tokens=False`: many
+    add BOS themselves), and BOS/EOS come only from `encode`'s flags, so no id is ever doubled. As
+    with the other formats, text that spells a special token ("<|end_of_text|>") is encoded as plain
+    text, never as the special token, and a truncation or padding setting stored in the file is
+    dropped: a document is encoded whole.
+
+    BOS, EOS and pad are the `bos_token`, `eos_token` and `pad_token` of the tokenizer_config.json next
+    to the file, where it names them (a string, or an object with "content"); otherwise BOS and EOS are
+    the first of HF_BOS_TOKENS / HF_EOS_TOKENS in the vocabulary, and pad is -1 unless the file sets
+    padding."""
+
+    def __init__(self, path: str | Path):
+        tokenizers = _import_hf_tokenizers()
+        self.path, self.config_path = _hf_files(Path(path))
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for every parse error
+            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json the `tokenizers` library reads: {e}") from e
+        padding = tokenizer.padding
+        self._tokenizer = tokenizer
+        self._configure()
+        config = self._read_config()
+        self.bos_id = self._special_id(config, "bos_token", HF_BOS_TOKENS)
+        self.eos_id = self._special_id(config, "eos_token", HF_EOS_TOKENS)
+        pad = self._special_id(config, "pad_token", ())
+        self.pad_id = pad if pad is not None else (padding["pad_id"] if padding else -1)
+        # Ids are normally 0..n-1; the largest id + 1 also covers a vocabulary with holes.
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+
+    def _configure(self) -> None:
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self._tokenizer.encode_special_tokens = True
+
+    def _read_config(self) -> dict:
+        if self.config_path is None:
+            return {}
+        try:
+            config = json.loads(self.config_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.config_path} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"{self.config_path} is not a JSON object")
+        return config
+
+    def _special_id(self, config: dict, key: str, well_known: tuple[str, ...]) -> int | None:
+        token = config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is not None:
+            token_id = self._tokenizer.token_to_id(token) if isinstance(token, str) else None
+            if token_id is None:
+                raise ValueError(f"{self.config_path} sets {key} {token!r}, which is not in the vocabulary of {self.path}")
+            return token_id
+        for token in well_known:
+            token_id = self._tokenizer.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        if not well_known:
+            return None
+        where = f"{self.config_path} sets no {key}" if self.config_path else f"there is no tokenizer_config.json next to {self.path}"
+        raise ValueError(f"{self.path}: no {key[:3].upper()} token: {where}, and the vocabulary has none of "
+                         f"{', '.join(well_known)}; name it as {key} in a tokenizer_config.json next to the file")
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def __setstate__(self, state: dict) -> None:
+        # A pickled `tokenizers.Tokenizer` forgets encode_special_tokens (it is not in its JSON form).
+        self.__dict__.update(state)
+        self._configure()
+
+
 TIKTOKEN_RANK_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} \d+\r?\n?")
 
 
-def build_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer stored at `path`: a tiktoken BPE-ranks file (first line "<base64> <rank>") or a
-    sentencepiece model."""
+def _is_hf_json(path: Path, first_line: bytes) -> bool:
+    """Whether a file not named *.json holds a HF tokenizer: a JSON object with a "model" key."""
+    if not first_line.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
+        return False
+    try:
+        content = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(content, dict) and "model" in content
+
+
+def tokenizer_format(path: str | Path) -> type[Tokenizer]:
+    """The class that reads the tokenizer at `path`, from the file (see `build_tokenizer`)."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder without a tokenizer.json; point model.tokenizer_path "
+                                    f"at the tokenizer file itself (a sentencepiece or tiktoken tokenizer.model)")
+        return HFTokenizer
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}")
+    if path.suffix == ".json":
+        return HFTokenizer
     with path.open("rb") as f:
         first_line = f.readline(1024)
     if TIKTOKEN_RANK_LINE.fullmatch(first_line):
-        return TiktokenTokenizer(path)
+        return TiktokenTokenizer
+    if _is_hf_json(path, first_line):
+        return HFTokenizer
+    return SentencePieceTokenizer
+
+
+def tokenizer_files(path: str | Path) -> list[Path]:
+    """The files whose content defines the tokenizer at `path` (what a fingerprint should hash): the
+    file itself, or for a HF tokenizer its tokenizer.json and the tokenizer_config.json next to it."""
+    if tokenizer_format(path) is HFTokenizer:
+        file, config = _hf_files(Path(path))
+        return [file] + ([config] if config else [])
+    return [Path(path)]
+
+
+def build_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer stored at `path`: a Hugging Face tokenizer (a *.json file, a JSON file with a
+    "model" key, or a folder holding tokenizer.json), a tiktoken BPE-ranks file (first line
+    "<base64> <rank>") or, failing those, a sentencepiece model."""
+    kind = tokenizer_format(path)
+    if kind is not SentencePieceTokenizer:
+        return kind(path)
     try:
         return SentencePieceTokenizer(path)
     except (RuntimeError, OSError) as e:
-        raise ValueError(f"{path} is not a tokenizer this trainer reads: expected a sentencepiece model "
-                         f"or a tiktoken BPE-ranks file (lines of '<base64 token> <rank>')") from e
+        raise ValueError(f"{path} is not a tokenizer this trainer reads: expected a sentencepiece model, "
+                         f"a tiktoken BPE-ranks file (lines of '<base64 token> <rank>') or a Hugging Face "
+                         f"tokenizer.json") from e

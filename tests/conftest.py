@@ -18,13 +18,39 @@ TINY = [
 ]
 
 
+def tiny_model_args(**overrides):
+    """A model small enough for exact comparisons in milliseconds."""
+    from models.llama3.model import ModelArgs
+
+    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=32)
+    return ModelArgs(**(args | overrides))
+
+
+def build_model(args, seed: int = 0):
+    """A model built on meta and initialized with `init_weights`, as train.py does on one CPU."""
+    import torch
+
+    from models.llama3.model import Transformer
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
 def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(dump: Path) -> dict[int, float]:
     """step -> loss; a resumed run's later entries replace the earlier ones."""
-    return {m["step"]: m["loss"] for m in read_metrics(dump)}
+    return {m["step"]: m["loss"] for m in read_metrics(dump) if "loss" in m}
+
+
+def val_losses(dump: Path) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in read_metrics(dump) if "val_loss" in m}
 
 
 @pytest.fixture

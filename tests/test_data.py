@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from components.data import build_dataloader, load_documents
+from components.data.hf import build_hf_dataloader, load_documents
 
 
 class ByteTokenizer:
@@ -38,7 +38,7 @@ def batches(loader, n):
 
 def test_windows_are_the_packed_document_stream(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    loader = build_dataloader(str(path), "text", ByteTokenizer(), seq_len=9, local_batch_size=2, dp_rank=0, dp_size=1)
+    loader = build_hf_dataloader([str(path)], "text", ByteTokenizer(), seq_len=9, local_batch_size=2, dp_rank=0, dp_size=1)
     got = torch.cat([b.flatten() for b in batches(loader, 6)]).tolist()
     assert got == stream()[: 6 * 2 * 10]  # 6 batches of 2 windows of seq_len + 1 tokens, across epochs
     assert got[0] == 1 and ByteTokenizer().decode(got[:10]) == "first doc"
@@ -46,8 +46,8 @@ def test_windows_are_the_packed_document_stream(tmp_path):
 
 def test_data_parallel_ranks_take_interleaved_windows(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    single = batches(build_dataloader(str(path), "text", ByteTokenizer(), 7, 4, 0, 1), 3)
-    per_rank = [batches(build_dataloader(str(path), "text", ByteTokenizer(), 7, 2, r, 2), 3) for r in range(2)]
+    single = batches(build_hf_dataloader([str(path)], "text", ByteTokenizer(), 7, 4, 0, 1), 3)
+    per_rank = [batches(build_hf_dataloader([str(path)], "text", ByteTokenizer(), 7, 2, r, 2), 3) for r in range(2)]
     for step in range(3):
         windows = single[step]
         assert torch.equal(per_rank[0][step], windows[0::2]) and torch.equal(per_rank[1][step], windows[1::2])
@@ -56,7 +56,7 @@ def test_data_parallel_ranks_take_interleaved_windows(tmp_path):
 @pytest.mark.parametrize("resume_dp_size", [1, 2, 4])
 def test_resume_continues_the_global_stream_under_any_dp_degree(tmp_path, resume_dp_size):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    make = lambda rank, size, batch: build_dataloader(str(path), "text", ByteTokenizer(), 5, batch, rank, size)
+    make = lambda rank, size, batch: build_hf_dataloader([str(path)], "text", ByteTokenizer(), 5, batch, rank, size)
     reference = torch.cat(batches(make(0, 1, 4), 7))  # 7 global batches of 4 windows
     loaders = [make(r, 2, 2) for r in range(2)]
     iters = [iter(l) for l in loaders]
@@ -81,21 +81,23 @@ def test_text_and_parquet_files(tmp_path):
     (tmp_path / "txt").mkdir()
     (tmp_path / "txt" / "a.txt").write_text("one file\nis one document\n")
     (tmp_path / "txt" / "b.txt").write_text("another")
-    assert load_documents(str(tmp_path / "txt"), "text")["text"] == ["one file\nis one document\n", "another"]
+    assert load_documents([str(tmp_path / "txt")], "text")["text"] == ["one file\nis one document\n", "another"]
     import datasets
 
     datasets.Dataset.from_dict({"content": DOCS}).to_parquet(str(tmp_path / "d.parquet"))
-    assert load_documents(str(tmp_path / "d.parquet"), "content")["content"] == DOCS
+    assert load_documents([str(tmp_path / "d.parquet")], "content")["content"] == DOCS
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
-    assert load_documents(str(tmp_path / "saved"), "text")["text"] == DOCS
+    assert load_documents([str(tmp_path / "saved")], "text")["text"] == DOCS
+    both = load_documents([str(tmp_path / "saved"), str(tmp_path / "txt")], "text")["text"]
+    assert both == [*DOCS, "one file\nis one document\n", "another"]
 
 
 def test_bad_data_gets_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no data files at"):
-        load_documents(str(tmp_path / "missing.jsonl"), "text")
+        load_documents([str(tmp_path / "missing.jsonl")], "text")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "broken\n{"text": "fine"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
-        load_documents(str(bad), "text")
+        load_documents([str(bad)], "text")
     with pytest.raises(ValueError, match=r"has no field 'body' \(columns: text, id\)"):
-        load_documents(str(write_jsonl(tmp_path / "ok.jsonl")), "body")
+        load_documents([str(write_jsonl(tmp_path / "ok.jsonl"))], "body")

@@ -5,25 +5,13 @@ import torch.nn.functional as F
 
 from components.config import load_config
 from models.llama3 import Transformer, build_model_args, flavors
-from models.llama3.model import ModelArgs, apply_rope, rope_frequencies
+from models.llama3.model import apply_rope, rope_frequencies
 
-
-def tiny_args(**overrides) -> ModelArgs:
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, multiple_of=32)
-    return ModelArgs(**(args | overrides))
-
-
-def build(args: ModelArgs, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
+from conftest import build_model, tiny_model_args
 
 
 def test_forward_shape_and_causality():
-    model = build(tiny_args())
+    model = build_model(tiny_model_args())
     tokens = torch.randint(0, 97, (3, 16))
     logits = model(tokens)
     assert logits.shape == (3, 16, 97) and torch.isfinite(logits).all()
@@ -35,7 +23,7 @@ def test_forward_shape_and_causality():
 
 
 def test_meta_init_matches_between_builds_and_has_depth_scaled_outputs():
-    a, b = build(tiny_args(n_layers=4)), build(tiny_args(n_layers=4))
+    a, b = build_model(tiny_model_args(n_layers=4)), build_model(tiny_model_args(n_layers=4))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
     stds = [a.layers[str(i)].attention.wo.weight.std().item() for i in range(4)]
@@ -45,7 +33,7 @@ def test_meta_init_matches_between_builds_and_has_depth_scaled_outputs():
 
 
 def test_tiny_model_overfits_one_batch():
-    model = build(tiny_args())
+    model = build_model(tiny_model_args())
     tokens = torch.randint(0, 97, (4, 17))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -59,13 +47,19 @@ def test_tiny_model_overfits_one_batch():
     assert losses[0] > 4.0 and losses[-1] < 0.2, losses[::10]
 
 
-def test_rope_rotates_pairs_and_keeps_norms():
-    args = tiny_args()
+def test_rope_rotates_halves_and_keeps_norms():
+    args = tiny_model_args()
     rope = rope_frequencies(args)
     x = torch.randn(2, 8, 4, args.head_dim)
     rotated = apply_rope(x, rope[:8])
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
     assert torch.equal(rotated[:, 0], x[:, 0])  # position 0 is not rotated
+    # Hugging Face's rotate-half layout: dimension i turns with dimension i + head_dim/2, as the
+    # complex number x[i] + 1j * x[i + head_dim/2].
+    half = args.head_dim // 2
+    angles = torch.atan2(rope[:8, :, 1], rope[:8, :, 0])[None, :, None]
+    expected = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angles), angles)
+    assert torch.allclose(rotated, torch.cat([expected.real, expected.imag], dim=-1), atol=1e-5)
     # Relative positions: <q_m, k_n> depends on m - n only.
     q, k = torch.randn(args.head_dim), torch.randn(args.head_dim)
     at = lambda v, pos: apply_rope(v.expand(1, 8, 1, -1).contiguous(), rope[:8])[0, pos, 0]
@@ -73,8 +67,8 @@ def test_rope_rotates_pairs_and_keeps_norms():
 
 
 def test_llama31_rope_scaling_slows_only_low_frequencies():
-    plain = rope_frequencies(tiny_args(rope_theta=500000.0, max_seq_len=2))
-    scaled = rope_frequencies(tiny_args(rope_theta=500000.0, max_seq_len=2, use_rope_scaling=True))
+    plain = rope_frequencies(tiny_model_args(rope_theta=500000.0, max_seq_len=2))
+    scaled = rope_frequencies(tiny_model_args(rope_theta=500000.0, max_seq_len=2, use_rope_scaling=True))
     angle = lambda r: torch.atan2(r[1, :, 1], r[1, :, 0])
     assert torch.allclose(angle(plain)[:2], angle(scaled)[:2])  # the highest frequencies are kept
     assert torch.allclose(angle(scaled)[-1], angle(plain)[-1] / 8, rtol=1e-4)  # the lowest are divided by 8

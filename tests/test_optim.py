@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from components.config import LRScheduler
-from components.optim import build_lr_scheduler, lr_factor
+from components.config import Optimizer as OptimizerConfig
+from components.optim import LRSchedule, Optimizers, lr_factor
 
 
 def test_warmup_then_linear_decay_over_all_remaining_steps():
@@ -26,20 +27,26 @@ def test_warmup_stable_decay_shapes():
         assert factors == pytest.approx(expected), decay_type
 
 
-def test_scheduler_sets_optimizer_lr_per_step():
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=0.1)
-    scheduler = build_lr_scheduler(optimizer, 10, LRScheduler(warmup_steps=1, decay_type="linear"))
+def optimizers_for(*parts):
+    return Optimizers(list(parts), OptimizerConfig(lr=0.1))
+
+
+def test_schedule_sets_every_optimizer_lr_per_step_and_resumes():
+    optimizers = optimizers_for(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    schedule = LRSchedule(optimizers, 10, LRScheduler(warmup_steps=1, decay_type="linear"), peak_lr=0.1)
     seen = []
     for _ in range(10):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+        assert len({group["lr"] for group in optimizers.param_groups}) == 1
+        seen.append(optimizers.param_groups[0]["lr"])
+        optimizers.step()
+        schedule.step()
     assert seen == pytest.approx([0.1 * lr_factor(s, 10, LRScheduler(warmup_steps=1)) for s in range(1, 11)])
     assert seen[0] == pytest.approx(0.05) and seen[-1] == pytest.approx(0.0)
+    resumed = LRSchedule(optimizers_for(torch.nn.Linear(2, 2)), 10, LRScheduler(warmup_steps=1), peak_lr=0.1)
+    resumed.load_state_dict({"steps_taken": 4})
+    assert resumed.optimizers.param_groups[0]["lr"] == pytest.approx(seen[4])
 
 
 def test_impossible_schedule_is_rejected():
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match="exceed training.steps"):
-        build_lr_scheduler(optimizer, 10, LRScheduler(warmup_steps=8, decay_ratio=0.5))
+        LRSchedule(optimizers_for(torch.nn.Linear(2, 2)), 10, LRScheduler(warmup_steps=8, decay_ratio=0.5), peak_lr=0.1)

@@ -89,3 +89,5 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, train_in_process, capsys
     assert "must be a multiple of training.local_batch_size" in capsys.readouterr().err
     assert train_in_process([*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]) == 2
     assert "parallelism" in capsys.readouterr().err
+    assert train_in_process([*TINY, "--parallelism.enable_async_tensor_parallel", "true", "--job.dump_folder", str(tmp_path)]) == 2
+    assert "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1" in capsys.readouterr().err

@@ -1,8 +1,16 @@
-"""Llama 3 / 3.1 / 3.2: the model, its published sizes ("flavors") and how to parallelize it."""
+"""Llama 3 / 3.1 / 3.2: the model, its published sizes ("flavors") and how to parallelize it.
+
+train.py uses what this package exports: Transformer, build_model_args, parallelize, and for
+pipeline parallelism split_for_pipeline and build_pipeline_schedule. components/hf.py (Hugging Face
+export and import) uses to_hf, from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. A forked
+model provides the same."""
 
 from components.config import Config
+from models.llama3.hf import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
 from models.llama3.model import ModelArgs, Transformer
-from models.llama3.parallelize import parallelize_llama
+from models.llama3.parallelize import parallelize_llama as parallelize
+from models.llama3.pipeline import build_llama_schedule as build_pipeline_schedule
+from models.llama3.pipeline import split_llama as split_for_pipeline
 
 _LLAMA31_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=8.0)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=32.0)
@@ -17,7 +25,10 @@ flavors = {
 }
 
 # [model] keys that, when set, replace the flavor's value.
-OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_rope_scaling", "vocab_size")
+OVERRIDABLE = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "ffn_dim", "norm_eps", "rope_theta",
+    "use_rope_scaling", "rope_scaling_factor", "tie_embeddings", "vocab_size",
+)
 
 
 def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
@@ -39,7 +50,11 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     if args.head_dim % 2:
         raise ValueError(f"head dim {args.head_dim} (model.dim / model.n_heads) must be even for RoPE")
     args.max_seq_len = config.training.seq_len
+    args.rope_per_document = config.model.rope_per_document
     return args
 
 
-__all__ = ["ModelArgs", "Transformer", "build_model_args", "flavors", "parallelize_llama"]
+__all__ = [
+    "HF_CONFIG_KEYS", "ModelArgs", "Transformer", "build_model_args", "build_pipeline_schedule", "flavors", "from_hf",
+    "hf_config", "model_args_from_hf", "parallelize", "split_for_pipeline", "to_hf",
+]

@@ -1,5 +1,11 @@
-"""Llama 3 as a plain nn.Module: RMSNorm, RoPE with Llama 3.1 frequency scaling, grouped-query
-attention through scaled_dot_product_attention, SwiGLU feed-forward.
+"""Llama 3 as a plain nn.Module: RMSNorm, RoPE with Llama 3.1 frequency scaling (in Hugging Face's
+rotate-half layout, see Transformer), grouped-query attention through scaled_dot_product_attention,
+SwiGLU feed-forward.
+
+Document masking: given the document number of every token of a packed window (`document_ids`),
+attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
+positions restart at 0 at each document. The mask is built once per forward and shared by all
+layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere.
 
 The model is built on the meta device and filled by `init_weights()` after it has been
 parallelized, so every method here works on plain tensors and on DTensors alike.
@@ -13,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from components.data.documents import document_positions
 
 
 @dataclass
@@ -24,6 +33,9 @@ class ModelArgs:
     vocab_size: int = 128256
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    ffn_dim: int | None = None
+    """The feed-forward hidden size, when set; unset: computed from dim, multiple_of and
+    ffn_dim_multiplier as Llama does (for imported models whose size that rule does not give)."""
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_rope_scaling: bool = False
@@ -37,6 +49,8 @@ class ModelArgs:
     depth_init: bool = True
     """Scale each block's output projections by its depth (1/sqrt(2*(layer+1))) rather than by the
     total number of layers."""
+    rope_per_document: bool = False
+    """When the forward is given document_ids: RoPE positions restart at 0 at each document."""
 
     @property
     def head_dim(self) -> int:
@@ -44,6 +58,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -63,9 +79,11 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """cos/sin of every position's rotation angles, shape (max_seq_len, head_dim // 2, 2).
 
     With Llama 3.1 scaling, low frequencies (long wavelengths) are slowed by `rope_scaling_factor`,
-    high ones are kept, and the band between is interpolated smoothly."""
+    high ones are kept, and the band between is interpolated smoothly. Computed in fp32 with the
+    same operations as Meta's reference and transformers' `rope_type="llama3"`, so that imported
+    weights see the very angles they were trained with."""
     dim = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if args.use_rope_scaling:
         wavelen = 2 * math.pi / freqs
         low_freq_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
@@ -74,21 +92,27 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
             args.rope_high_freq_factor - args.rope_low_freq_factor
         )
         scaled = freqs / args.rope_scaling_factor
-        between = (1 - smooth) * scaled + smooth * freqs
+        between = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs  # transformers' order: same bits
         freqs = torch.where(wavelen > low_freq_wavelen, scaled, torch.where(wavelen < high_freq_wavelen, freqs, between))
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head by the angles in `rope`.
+    """Rotate the pairs (x[i], x[i + head_dim/2]) of each head by the angles in `rope` (the
+    "rotate-half" layout of Hugging Face's Llama, see the class docstring of Transformer).
 
-    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    x: (batch, seq, heads, head_dim). rope is either shared by the batch rows, (at least seq,
+    head_dim // 2, 2), of which the first seq rows are used, or one per row, (batch, seq,
+    head_dim // 2, 2) (per-document positions). For the shared form the attention's own input
+    decides the length because a pipeline stage's input may be a sequence shard (tensor + sequence
+    parallel) that attention gathers whole."""
+    if rope.dim() == 3:
+        rope = rope[: x.shape[1]][None]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return rotated.type_as(x)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -96,9 +120,50 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+# Compiled once at import (compilation itself happens on first call): eager flex_attention
+# materializes the whole score matrix; compiled, it is a fused kernel that skips masked blocks.
+compiled_flex_attention = torch.compile(flex_attention)
+
+
+def use_flex_attention(device: torch.device) -> bool:
+    """Document masking runs FlexAttention on CUDA and a dense boolean mask through SDPA elsewhere.
+
+    torch 2.13's flex_attention runs forward on CPU, eager or compiled, but has no backward there
+    (and its compiled CPU kernel fails to lower inside a compiled block), so CPU training takes the
+    dense mask. Tests patch this function to run the flex path on CPU."""
+    return device.type == "cuda"
+
+
+def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
+    """The mask letting each query see the keys at or before it in the same document.
+
+    document_ids: (batch, seq). Returns a FlexAttention BlockMask if `flex`, else a boolean
+    (batch, 1, seq, seq) mask (True: attend) that broadcasts over the heads, however many a
+    tensor-parallel rank holds."""
+    batch, seq = document_ids.shape
+    if flex:
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+        return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device=document_ids.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim) under a `document_mask`; k/v may have fewer heads."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention. `sdpa` computes attention from q, k, v and may be swapped, e.g. by
-    context parallelism for one that sees the keys and values of the whole sequence."""
+    """Grouped-query attention. `sdpa` computes causal attention from q, k, v and may be swapped,
+    e.g. by context parallelism for one that sees the keys and values of the whole sequence. Given
+    a document `mask`, attention goes through `masked_attention` instead (not combined with context
+    parallelism in this version)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -116,7 +181,7 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -124,7 +189,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v)
+        out = self.sdpa(q, k, v) if mask is None else masked_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -160,8 +225,9 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.out_std)
         self.feed_forward.init_weights(self.out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -172,7 +238,19 @@ class Transformer(nn.Module):
     it does not own and keep the others' names (and so its checkpoint keys) unchanged. A stage
     without `tok_embeddings` takes hidden states as input; one without `output` returns them.
     `positions` (None: 0..seq-1) are the sequence positions of the tokens a forward sees, which
-    context parallelism sets to the positions of this rank's share of the sequence."""
+    context parallelism sets to the positions of this rank's share of the sequence.
+
+    `document_ids` (batch, seq), the document number of every token of a packed window
+    (components.data.documents.document_ids), turns on document masking: attention is causal
+    within each document only and, with `args.rope_per_document`, RoPE positions restart at each
+    document. Not supported together with context or pipeline parallelism in this version.
+
+    RoPE layout: each head's dimension i is rotated together with dimension i + head_dim/2
+    ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in
+    Meta's interleaved-complex reference. The two layouts are the same model up to a permutation
+    of the rows of wq and wk within each head; with HF's layout the weights of an HF checkpoint are
+    used as they are (models/llama3/hf.py only renames them), so that even a sharded rank whose
+    shard cuts through a head can load its own piece directly."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -201,10 +279,18 @@ class Transformer(nn.Module):
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope[: tokens.shape[1]] if self.positions is None else self.rope[self.positions]
+        rope = self.rope if self.positions is None else self.rope[self.positions]
+        mask = None
+        if document_ids is not None:
+            if self.positions is not None:
+                raise NotImplementedError("document masking is not supported with context parallelism")
+            # Built once here and shared by every layer.
+            mask = document_mask(document_ids, flex=use_flex_attention(tokens.device))
+            if self.args.rope_per_document:
+                rope = self.rope[document_positions(document_ids)]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -1,7 +1,9 @@
-"""How Llama 3 is parallelized: the order in which train.py's techniques are applied to it.
+"""How Llama 3 is parallelized: which technique is applied to which part of the model, in order.
 
-Tensor, context and pipeline parallelism, float8, activation checkpointing and compile are applied
-here (in that order) as they become available; FSDP always comes last, wrapping what the others made.
+float8 conversion -> tensor parallel -> context parallel -> activation checkpointing -> compile ->
+FSDP. float8 comes first because it swaps nn.Linear modules for Float8Linear ones, and the hooks
+that tensor parallelism installs live on the modules. FSDP comes last and wraps what the others
+made. A pipeline stage (a model with some modules set to None) goes through the same function.
 """
 
 from __future__ import annotations
@@ -9,38 +11,113 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from components.config import Config, ConfigError
 from components.distributed import ParallelDims
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import compile_blocks
+from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.float8 import convert_to_float8
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_supported(config: Config, dims: ParallelDims) -> None:
+def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
     """Name the settings this version cannot apply yet rather than silently ignoring them."""
     unsupported = {
-        "parallelism.tensor_parallel_degree": dims.tp > 1,
-        "parallelism.pipeline_parallel_degree": dims.pp > 1,
-        "parallelism.context_parallel_degree": dims.cp > 1,
-        "activation_checkpoint.mode": config.activation_checkpoint.mode != "none",
-        "compile.enable": config.compile.enable,
-        "float8.enable": config.float8.enable,
-        "validation.enable": config.validation.enable,
-        "profiling.enable_profiling": config.profiling.enable_profiling,
+        # Dynamo would trace the statistics hooks into the compiled blocks.
+        "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
+        # The document ids would have to travel with the pipeline's micro-batches, and context
+        # parallelism's attention builds its own mask.
+        "training.document_masking with pipeline or context parallelism": config.training.document_masking and dims.pp * dims.cp > 1,
     }
     named = [key for key, used in unsupported.items() if used]
     if named:
         raise ConfigError(f"not available yet: {', '.join(named)}; leave these at their defaults")
+    if config.model.rope_per_document and not config.training.document_masking:
+        raise ConfigError("model.rope_per_document needs training.document_masking = true (it restarts positions at document boundaries)")
+    if config.parallelism.enable_async_tensor_parallel and (dims.tp == 1 or not config.compile.enable or device.type != "cuda"):
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
+            f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
+        )
+
+
+def check_tp_fits(model: nn.Module, tp: int) -> None:
+    args = model.args
+    for key, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads or args.n_heads)):
+        if value % tp:
+            raise ConfigError(f"parallelism.tensor_parallel_degree {tp} must divide {key} ({value})")
+
+
+def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
+    """Megatron-style TP with sequence parallelism for every module this model (or stage) holds.
+
+    Activations between blocks are sharded along the sequence (Shard(1)); attention and the MLP
+    all-gather them, split their heads / hidden units over the ranks (column-wise in, row-wise out)
+    and reduce-scatter back to sequence shards. The output layer leaves logits sharded over the
+    vocabulary (Shard(-1)) for a loss computed without gathering them (loss parallel)."""
+    if float8_comm:
+        # The blocks' all-gathers then move float8 rather than bf16 activations.
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel as Colwise,
+            Float8RowwiseParallel as Rowwise,
+            PrepareFloat8ModuleInput as PrepareInput,
+        )
+    else:
+        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    for name in model.layers:
+        block = f"layers.{name}"
+        plan |= {
+            f"{block}.attention_norm": SequenceParallel(),
+            f"{block}.attention": PrepareInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            f"{block}.attention.wq": Colwise(),
+            f"{block}.attention.wk": Colwise(),
+            f"{block}.attention.wv": Colwise(),
+            f"{block}.attention.wo": Rowwise(output_layouts=Shard(1)),
+            f"{block}.ffn_norm": SequenceParallel(),
+            f"{block}.feed_forward": PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{block}.feed_forward.w1": Colwise(),
+            f"{block}.feed_forward.w2": Rowwise(output_layouts=Shard(1)),
+            f"{block}.feed_forward.w3": Colwise(),
+        }
+    return plan
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:
-    """FSDP shards over data-parallel ranks; on one rank it still provides bf16 mixed precision."""
-    return dims.dp > 1 or config.training.mixed_precision_param != "float32"
+    """FSDP shards over data-parallel (and context-parallel) ranks; on one rank it still provides
+    bf16 mixed precision."""
+    return dims.dp * dims.cp > 1 or config.training.mixed_precision_param != "float32"
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config) -> nn.Module:
-    check_supported(config, dims)
+def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config, device: torch.device) -> nn.Module:
+    check_supported(config, dims, device)
+    if config.float8.enable:
+        convert_to_float8(model, config.float8.recipe_name, config.float8.filter_fqns, device,
+                          config.float8.enable_fsdp_float8_all_gather and uses_fsdp(config, dims))
+    if dims.tp > 1:
+        check_tp_fits(model, dims.tp)
+        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
+        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        if config.parallelism.enable_async_tensor_parallel:
+            enable_async_tensor_parallel(mesh["tp"])
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh["cp"], config.training.seq_len)
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    if config.compile.enable:
+        compile_blocks(model.layers)
     if uses_fsdp(config, dims):
         apply_fsdp(
             model,

@@ -68,30 +68,33 @@ def _first_bad_json_line(files: list[Path]) -> str | None:
     return None
 
 
-def load_documents(path: str, text_field: str):
-    """A map-style Hugging Face dataset of documents with a `text_field` column.
+def load_documents(paths: list[str], text_field: str):
+    """A map-style Hugging Face dataset of the documents (a `text_field` column) of all `paths`, in order.
 
-    Accepts a directory written by `datasets.save_to_disk`, a file, a glob or a directory of
+    Each path is a directory written by `datasets.save_to_disk`, a file, a glob or a directory of
     JSON/JSONL (one object per line), text (one document per file) or Parquet files."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach for the hub
     import datasets
 
-    if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():
-        docs = datasets.load_from_disk(path)
-    else:
-        files = _data_files(path)
-        builder = _builder(files[0])
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        try:
-            docs = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
-        except Exception as e:
-            where = _first_bad_json_line(files) if builder == "json" else None
-            raise ValueError(f"cannot read training data {path!r}: {where or e}") from e
-    if text_field not in docs.column_names:
-        raise ValueError(f"training data {path!r} has no field {text_field!r} (columns: {', '.join(docs.column_names)}); set training.dataset_text_field")
-    if len(docs) == 0:
-        raise ValueError(f"training data {path!r} holds no documents")
-    return docs.select_columns([text_field])
+    parts = []
+    for path in paths:
+        if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():
+            docs = datasets.load_from_disk(path)
+        else:
+            files = _data_files(path)
+            builder = _builder(files[0])
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            try:
+                docs = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+            except Exception as e:
+                where = _first_bad_json_line(files) if builder == "json" else None
+                raise ValueError(f"cannot read training data {path!r}: {where or e}") from e
+        if text_field not in docs.column_names:
+            raise ValueError(f"training data {path!r} has no field {text_field!r} (columns: {', '.join(docs.column_names)}); set training.dataset_text_field")
+        if len(docs) == 0:
+            raise ValueError(f"training data {path!r} holds no documents")
+        parts.append(docs.select_columns([text_field]))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 class PackedDocuments(IterableDataset):
@@ -133,9 +136,9 @@ class PackedDocuments(IterableDataset):
         self.position = {k: int(state[k]) for k in ("epoch", "document", "offset", "windows")}
 
 
-def build_dataloader(dataset_path: str, text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int, dp_size: int) -> StatefulDataLoader:
+def build_hf_dataloader(paths: list[str], text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                        dp_rank: int, dp_size: int) -> StatefulDataLoader:
     """Batches of shape (local_batch_size, seq_len + 1); `state_dict()` goes into checkpoints."""
-    docs = load_documents(dataset_path, text_field)
+    docs = load_documents(paths, text_field)
     dataset = PackedDocuments(docs, text_field, tokenizer, seq_len, dp_rank, dp_size)
     return StatefulDataLoader(dataset, batch_size=local_batch_size, num_workers=0)

@@ -1,0 +1,122 @@
+"""Pipeline parallelism for Llama 3: which modules each stage holds, and the stages and schedule of
+this rank.
+
+Call order (train.py):
+    1. model built on meta (or, on CPU, materialized and initialized: parts then copy its weights);
+    2. model_parts, stage_ids, num_stages = split_llama(model, pp_mesh, config)
+    3. parallelize each part (TP / FSDP / ...), then to_empty() + init_weights() each part if not done in 1;
+    4. schedule = build_llama_schedule(model_parts, stage_ids, num_stages, pp_mesh, config, device, loss_fn,
+                                       grad_accum_steps)
+    5. every micro-step: schedule.step(inputs [first stage only], target=labels [last stage only],
+       losses=list [last stage only]); losses hold loss / (n_microbatches * grad_accum_steps) per
+       micro-batch, so the reported loss is the sum of all of them over the optimizer step.
+
+The PipelineStage objects are built in step 4, after the parts have their final form and device,
+so that they wrap exactly the modules that will run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from components.config import Config, ConfigError
+from parallelisms.pipeline import (
+    build_pipeline_schedule,
+    is_multi_stage,
+    is_v_style,
+    split_module,
+    stage_ids_for_rank,
+)
+
+
+def pipeline_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[list[str]]:
+    """The module names each stage holds: embeddings in the first, norm and output in the last, and
+    the blocks in order, `layers_per_stage` per stage or split evenly (the first stages take one
+    more block each when they do not divide evenly)."""
+    if num_stages > n_layers:
+        raise ConfigError(
+            f"{num_stages} pipeline stages (parallelism.pipeline_parallel_degree x stages per rank) but "
+            f"model.n_layers is {n_layers}: every stage needs at least one block"
+        )
+    if layers_per_stage is not None:
+        if layers_per_stage * num_stages != n_layers:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} x {num_stages} stages = "
+                f"{layers_per_stage * num_stages} blocks, but model.n_layers is {n_layers}"
+            )
+        sizes = [layers_per_stage] * num_stages
+    else:
+        base, extra = divmod(n_layers, num_stages)
+        sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+    names, start = [], 0
+    for size in sizes:
+        names.append([f"layers.{i}" for i in range(start, start + size)])
+        start += size
+    names[0].insert(0, "tok_embeddings")
+    names[-1].extend(["norm", "output"])
+    return names
+
+
+def stages_per_rank(schedule_name: str, pp_size: int, n_layers: int, layers_per_stage: int | None) -> int:
+    """One for single-stage schedules, two for V schedules; looped multi-stage schedules take two, or
+    as many as `layers_per_stage` makes (n_layers / layers_per_stage stages over pp_size ranks)."""
+    if not is_multi_stage(schedule_name):
+        return 1
+    if is_v_style(schedule_name) or layers_per_stage is None:
+        return 2
+    num_stages, rest = divmod(n_layers, layers_per_stage)
+    if rest or num_stages % pp_size:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} must divide model.n_layers "
+            f"({n_layers}) into a multiple of parallelism.pipeline_parallel_degree ({pp_size}) stages"
+        )
+    return num_stages // pp_size
+
+
+def split_llama(model: nn.Module, pp_mesh: DeviceMesh, config: Config) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's pipeline stages of `model` (on meta, or materialized: its weights are copied):
+    (model_parts, stage_ids, num_stages), parts in the order of their stage ids."""
+    p = config.parallelism
+    if model.args.tie_embeddings:
+        # The first and last stages would each hold (and update) their own copy of the matrix.
+        raise ConfigError(
+            f"model.flavor {config.model.flavor} ties its embedding and output weights, which pipeline "
+            "parallelism does not support yet; use parallelism.pipeline_parallel_degree = 1"
+        )
+    pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_layers = len(model.layers)
+    per_rank = stages_per_rank(p.pipeline_parallel_schedule, pp_size, n_layers, p.pipeline_parallel_layers_per_stage)
+    num_stages = pp_size * per_rank
+    names = pipeline_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
+    stage_ids = stage_ids_for_rank(pp_rank, pp_size, per_rank, is_v_style(p.pipeline_parallel_schedule))
+    return [split_module(model, names[stage]) for stage in stage_ids], stage_ids, num_stages
+
+
+def build_llama_schedule(
+    model_parts: list[nn.Module],
+    stage_ids: list[int],
+    num_stages: int,
+    pp_mesh: DeviceMesh,
+    config: Config,
+    device: torch.device,
+    loss_fn,
+    grad_accum_steps: int = 1,
+):
+    """The schedule running this rank's (parallelized, materialized) parts; see the module docstring
+    for how step() is called and its losses reported."""
+    p = config.parallelism
+    local_batch, mb_size = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
+    if mb_size < 1 or local_batch % mb_size:
+        raise ConfigError(
+            f"training.local_batch_size {local_batch} must be a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size {mb_size}"
+        )
+    group = pp_mesh.get_group()
+    stages = [
+        PipelineStage(part, stage_id, num_stages, device, group=group) for part, stage_id in zip(model_parts, stage_ids)
+    ]
+    return build_pipeline_schedule(stages, p.pipeline_parallel_schedule, local_batch // mb_size, loss_fn, grad_accum_steps)
+

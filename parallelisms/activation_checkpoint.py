@@ -1,0 +1,55 @@
+"""Activation checkpointing: keep fewer activations in forward and recompute them in backward.
+
+- full: every block keeps only its input; backward reruns the whole block.
+- selective by layer ("N"): every N-th block is checkpointed in full, the others keep everything.
+- selective by op ("op"): every block is checkpointed, but the outputs of matmuls and attention
+  (the expensive ops) are saved, so backward only recomputes the cheap elementwise work.
+
+Recomputation reruns the same kernels on the same inputs, so losses and gradients are identical to
+a run without checkpointing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Ops whose outputs selective-by-op checkpointing keeps rather than recomputes.
+SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_mm.default,
+}
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_option: str = "2") -> None:
+    """Wrap the blocks of `blocks` in place. mode: full | selective; selective_option: "op" or N."""
+    if mode == "none":
+        return
+    if mode == "selective" and selective_option != "op":
+        if not selective_option.isdigit() or int(selective_option) < 1:
+            raise ValueError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {selective_option!r}")
+        every = int(selective_option)
+    else:
+        every = 1
+    for index, (name, block) in enumerate(list(blocks.items())):
+        if (index + 1) % every:
+            continue
+        if mode == "selective" and selective_option == "op":
+            blocks[name] = checkpoint_wrapper(block, context_fn=_op_selective_contexts, preserve_rng_state=False)
+        else:
+            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)

@@ -1,0 +1,105 @@
+"""Context parallelism: the ranks of the `cp` mesh dimension split every sample's sequence, and
+attention sees all of it by all-gathering the keys and values.
+
+Zigzag sharding. Under a causal mask a query attends to the keys before it, so a contiguous split
+would leave the first rank almost idle and the last one with most of the work. The sequence is
+instead cut into 2 * cp chunks and rank r takes chunks r and 2*cp-1-r: one early, one late. Each
+rank's two query chunks then see (r + 1) + (2*cp - r) = 2*cp + 1 chunks of keys in all, the same
+on every rank.
+
+All-gather KV (what Llama 3 used for long context). Before attention every rank all-gathers the
+keys and values of the whole sequence (one all-gather per layer for both) and attends to them with
+its own queries. Keys and values are small next to the activations (grouped-query attention has
+few KV heads), and attention stays a plain `scaled_dot_product_attention` with a mask: no ring of
+partial softmaxes, no attention kernel of its own, so one code path serves CPU/gloo and CUDA/NCCL
+(torch's experimental context_parallel has no CPU attention). The backward of the all-gather is a
+reduce-scatter: every rank's queries used every rank's keys and values, so each rank's key/value
+gradient is the sum of all ranks' contributions to it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
+    """The sequence positions rank `cp_rank` owns: chunks cp_rank and 2*cp_size-1-cp_rank of
+    2*cp_size equal chunks, in that order."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"training.seq_len {seq_len} must be divisible by 2 x parallelism.context_parallel_degree "
+            f"= {2 * cp_size} (context parallelism cuts each sequence into that many equal chunks)"
+        )
+    chunks = torch.arange(seq_len).view(2 * cp_size, -1)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
+
+
+def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """This rank's zigzag share of `tensor` along `dim` (the sequence of a (batch, seq, ...) tensor)."""
+    positions = zigzag_positions(tensor.shape[dim], cp_mesh.size(), cp_mesh.get_local_rank())
+    return tensor.index_select(dim, positions.to(tensor.device))
+
+
+def _gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's x (..., local_seq, head_dim) joined along the sequence, in sequence order.
+
+    The all-gather goes through DTensor: Shard -> Replicate is the all-gather, and declaring the
+    gathered tensor's gradient Partial (a sum still to be taken over the ranks) makes the backward
+    the reduce-scatter that sums every rank's contribution and hands each rank its share."""
+    seq_dim = x.dim() - 2
+    gathered = DTensor.from_local(x.contiguous(), cp_mesh, [Shard(seq_dim)]).redistribute(cp_mesh, [Replicate()])
+    gathered = gathered.to_local(grad_placements=[Partial()])
+    # Rank order is [chunk 0, chunk 2cp-1, chunk 1, chunk 2cp-2, ...]: the ranks' first chunks
+    # are the first half of the sequence, their second chunks the second half reversed.
+    pairs = gathered.unflatten(seq_dim, (cp_mesh.size(), 2, -1))  # (..., rank, first/second, chunk, head_dim)
+    first_half, second_half = pairs.select(seq_dim + 1, 0), pairs.select(seq_dim + 1, 1).flip(seq_dim)
+    return torch.cat([first_half, second_half], dim=seq_dim).flatten(seq_dim, seq_dim + 1)
+
+
+def allgather_kv_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh, positions: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of this rank's queries to the keys and values of the whole sequence.
+
+    q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
+    plain tensors holding the tokens at `positions` (this rank's `zigzag_positions`); n_kv_heads
+    may divide n_heads (grouped-query attention). Returns a tensor shaped like q.
+
+    Each of the rank's two query chunks attends only to the keys up to its own end, which is what
+    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p."""
+    k, v = _gather_sequence(torch.stack([k, v]), cp_mesh)  # one all-gather for both
+    cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    chunk = q.shape[2] // 2
+    outputs = []
+    for q_chunk, q_positions, index in zip(
+        q.split(chunk, dim=2), positions.split(chunk), (cp_rank, 2 * cp_size - 1 - cp_rank)
+    ):
+        end = (index + 1) * chunk  # the chunk's last position + 1: the keys it can see
+        mask = q_positions[:, None] >= torch.arange(end, device=q.device)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> nn.Module:
+    """Make `model` (a whole Transformer or a pipeline stage) run on this rank's zigzag share of
+    each sequence: it reads the RoPE angles at this rank's positions, and every module with an
+    `sdpa` (the attention modules) attends through `allgather_kv_attention`.
+
+    The positions live on the mesh's device: the model itself may still be on the meta device."""
+    positions = zigzag_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
+    model.positions = positions.to(cp_mesh.device_type)
+    attention = partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions)
+    for module in model.modules():
+        if hasattr(module, "sdpa"):
+            module.sdpa = attention
+    return model

@@ -1,0 +1,48 @@
+"""float8 training with torchao: Linear layers compute their matmuls in float8 with dynamic scales
+(tensorwise: one scale per tensor; rowwise: one per row, more accurate, slower).
+
+Real float8 matmuls need an SM 8.9+ GPU (H100 and newer); elsewhere torchao's emulation computes the
+same casts and scaling in high precision, which is how the CPU tests exercise this path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+
+def float8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def convert_to_float8(model: nn.Module, recipe_name: str, skip_fqns: list[str], device: torch.device,
+                      enable_fsdp_float8_all_gather: bool = False) -> nn.Module:
+    """Swap eligible nn.Linear layers for torchao's Float8Linear.
+
+    A layer stays in high precision when its name contains one of `skip_fqns` (e.g. the output
+    projection, whose accuracy matters most) or its dimensions are not multiples of 16, which the
+    float8 matmul kernels need."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe_name),
+        emulate=not float8_supported(device),
+        # float8 all-gather exists for tensorwise scales only.
+        enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather and recipe_name == "tensorwise",
+    )
+
+    def convertible(module: nn.Module, fqn: str) -> bool:
+        if any(skip in fqn for skip in skip_fqns):
+            return False
+        return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """With float8 all-gather under FSDP, compute every weight's scale in one go after the optimizer
+    step instead of one small reduction per layer in the next forward."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

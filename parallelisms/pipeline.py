@@ -1,0 +1,151 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: the layers are split into stages, each
+rank runs its stages, and a schedule streams micro-batches through them (activations forward,
+their gradients backward, point-to-point between neighbouring ranks).
+
+Single-stage schedules (GPipe, 1F1B) give each rank one stage. Multi-stage schedules give each
+rank several smaller stages to shrink the pipeline bubble: looped ones (Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble) place stage s on rank s % pp, V-shaped ones (ZBVZeroBubble, DualPipeV) go
+down the ranks and back up, so that rank 0 holds both the first and the last stage.
+
+Model-specific code decides which modules go into which stage; the functions here are generic.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import schedules
+
+from components.config import ConfigError
+
+# The schedules a user may name, if the installed torch offers them (`offered_schedules`).
+KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules that need the V-shaped stage-to-rank mapping and exactly two stages per rank."""
+
+SCHEDULE_KEYS = "parallelism.pipeline_parallel_schedule"
+MICROBATCH_KEYS = "training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"
+
+
+def offered_schedules() -> list[str]:
+    """The KNOWN_SCHEDULES names the installed torch provides."""
+    offered = []
+    for name in KNOWN_SCHEDULES:
+        try:
+            schedules.get_schedule_class(name)
+        except ValueError:
+            continue
+        offered.append(name)
+    return offered
+
+
+def schedule_class(schedule_name: str) -> type:
+    if schedule_name not in offered_schedules():
+        raise ConfigError(
+            f"{SCHEDULE_KEYS} '{schedule_name}' is not offered by torch {torch.__version__}; "
+            f"choose one of: {', '.join(offered_schedules())}"
+        )
+    return schedules.get_schedule_class(schedule_name)
+
+
+def is_multi_stage(schedule_name: str) -> bool:
+    """Whether the schedule runs several stages per rank (and so takes a list of stages)."""
+    return issubclass(schedule_class(schedule_name), schedules.PipelineScheduleMulti)
+
+
+def is_v_style(schedule_name: str) -> bool:
+    return schedule_name in V_SCHEDULES
+
+
+def stage_ids_for_rank(pp_rank: int, pp_size: int, stages_per_rank: int, v_style: bool) -> list[int]:
+    """The stages rank `pp_rank` runs, in order.
+
+    Loop style: pp_rank, pp_rank + pp, pp_rank + 2 pp, ... (every chunk goes down the ranks).
+    V style: chunks alternate direction, e.g. with two stages per rank: pp_rank and 2 pp - 1 - pp_rank;
+    this is the mapping torch's V schedules expect."""
+    if v_style:
+        return [chunk * pp_size + (pp_rank if chunk % 2 == 0 else pp_size - 1 - pp_rank) for chunk in range(stages_per_rank)]
+    return [chunk * pp_size + pp_rank for chunk in range(stages_per_rank)]
+
+
+def split_module(model: nn.Module, keep: list[str]) -> nn.Module:
+    """A deep copy of `model` with only the named modules: top-level children ("norm") or entries of a
+    top-level ModuleDict ("layers.3"). Other children become None and other ModuleDict entries are
+    removed, so kept modules keep their names and state-dict keys.
+
+    Dropped modules are not copied (the deepcopy memo maps them to None), so splitting a
+    materialized model costs only the memory of the kept part."""
+    keep_set = set(keep)
+    memo: dict[int, object] = {}
+    dropped_entries: list[tuple[str, str]] = []
+    found = set()
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleDict):
+            for key, entry in child.items():
+                if f"{name}.{key}" in keep_set:
+                    found.add(f"{name}.{key}")
+                else:
+                    memo[id(entry)] = None
+                    dropped_entries.append((name, key))
+        elif name in keep_set:
+            found.add(name)
+        elif child is not None:
+            memo[id(child)] = None
+    if keep_set - found:
+        raise ValueError(f"split_module: no module named {sorted(keep_set - found)}")
+    part = copy.deepcopy(model, memo)
+    for name, key in dropped_entries:
+        del getattr(part, name)[key]
+    return part
+
+
+def check_microbatches(schedule_name: str, n_microbatches: int, pp_size: int, num_stages: int) -> None:
+    """Refuse micro-batch counts the schedule cannot run, naming the keys that set them."""
+    needed = {"1F1B": pp_size, "DualPipeV": num_stages}.get(schedule_name, 1)
+    if n_microbatches < needed:
+        raise ConfigError(
+            f"{SCHEDULE_KEYS} {schedule_name} needs at least {needed} micro-batches per step, but "
+            f"{MICROBATCH_KEYS} gives {n_microbatches}; use a larger local batch or smaller micro-batches"
+        )
+
+
+def build_pipeline_schedule(
+    stages: list,
+    schedule_name: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    grad_accum_steps: int = 1,
+):
+    """The schedule object running this rank's `stages` (PipelineStage objects, in stage order).
+
+    `loss_fn(pred, labels)` is the mean loss of one micro-batch. The schedule backpropagates
+    loss_fn / (n_microbatches * grad_accum_steps), with torch's own gradient scaling off
+    (scale_grads=False): torch would divide *all* accumulated gradients by n_microbatches at the
+    end of every step(), which is wrong once gradients accumulate over several step() calls.
+    So after grad_accum_steps step() calls the gradients are those of the mean over all
+    micro-batches, and the values step() puts in `losses` are scaled the same way: their sum over
+    one step() call is that call's share of the mean loss (summing them over all grad_accum_steps
+    calls gives the mean loss of the whole batch)."""
+    cls = schedule_class(schedule_name)
+    num_stages, pp_size = stages[0].num_stages, stages[0].group_size
+    check_microbatches(schedule_name, n_microbatches, pp_size, num_stages)
+    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    if not multi and len(stages) != 1:
+        raise ValueError(f"{schedule_name} runs one stage per rank, got {len(stages)}")
+    scale = n_microbatches * grad_accum_steps
+
+    def scaled_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(pred, labels) / scale
+
+    try:
+        return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    except (ValueError, RuntimeError) as e:
+        # torch's own checks: e.g. micro-batches not a multiple of the rounds (Interleaved1F1B), or
+        # compiled blocks (compile.enable) under the zero-bubble schedules.
+        raise ConfigError(
+            f"{SCHEDULE_KEYS} {schedule_name} with {n_microbatches} micro-batches ({MICROBATCH_KEYS}) "
+            f"on {pp_size} pipeline ranks: {e}"
+        ) from e

@@ -1,0 +1,233 @@
+"""Document masking and per-document RoPE: a packed window behaves like its documents run alone."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+import models.llama3.model as llama
+from components.data.documents import document_ids, document_positions
+from conftest import TINY, build_model, losses, tiny_model_args
+from models.llama3.model import ModelArgs, apply_rope
+
+BOS, EOS, VOCAB = 1, 2, 128
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    return tiny_model_args(**({"vocab_size": VOCAB, "max_seq_len": 64} | overrides))
+
+
+def make_documents(lengths=(8, 11, 9), seed: int = 1) -> list[torch.Tensor]:
+    """Documents of the given total lengths, each BOS + random ids + EOS."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.cat([torch.tensor([BOS]), torch.randint(3, VOCAB, (n - 2,), generator=generator), torch.tensor([EOS])])
+        for n in lengths
+    ]
+
+
+def packed_batch() -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """Three rows of 28 tokens with different layouts; returns the window and each row's segments
+    (the pieces that must behave as if run alone). Row 2 starts in the middle of a document and
+    ends in the middle of another."""
+    a, b, c = make_documents()
+    rows = [[a, b, c], [b, c, a], [a[3:], c, b, a[:3]]]
+    return torch.stack([torch.cat(row) for row in rows]), rows
+
+
+def segment_slices(segments):
+    start = 0
+    for segment in segments:
+        yield segment, slice(start, start + len(segment))
+        start += len(segment)
+
+
+# --- document_ids / document_positions ---------------------------------------------------------
+
+
+def test_document_ids_and_positions_on_hand_made_windows():
+    tokens = torch.tensor([
+        [1, 5, 6, 2, 1, 7, 2, 1, 8],  # starts at a BOS, ends inside the third document
+        [9, 9, 2, 1, 4, 2, 1, 5, 2],  # starts mid-document, EOS is the last token
+        [4, 5, 6, 7, 8, 9, 4, 5, 6],  # no boundary at all
+        [2, 1, 3, 2, 2, 1, 4, 4, 4],  # EOS first; an empty document between two EOS
+    ])
+    ids = document_ids(tokens, eos_id=2)
+    assert ids.dtype == torch.long and ids.shape == tokens.shape
+    assert ids.tolist() == [
+        [0, 0, 0, 0, 1, 1, 1, 2, 2],
+        [0, 0, 0, 1, 1, 1, 2, 2, 2],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 2, 3, 3, 3, 3],
+    ]
+    assert document_positions(ids).tolist() == [
+        [0, 1, 2, 3, 0, 1, 2, 0, 1],
+        [0, 1, 2, 0, 1, 2, 0, 1, 2],
+        [0, 1, 2, 3, 4, 5, 6, 7, 8],
+        [0, 0, 1, 2, 0, 0, 1, 2, 3],
+    ]
+
+
+def test_apply_rope_per_row_matches_shared_rope_at_the_same_positions():
+    args = tiny_args()
+    rope = llama.rope_frequencies(args)
+    x = torch.randn(2, 6, 4, args.head_dim)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]])
+    rotated = apply_rope(x, rope[positions])
+    assert torch.equal(rotated[0, :3], apply_rope(x[:1, :3], rope)[0])
+    assert torch.equal(rotated[0, 3:], apply_rope(x[:1, 3:], rope)[0])
+    assert torch.equal(rotated[1], apply_rope(x[1:], rope[3:])[0])
+    # The shared form still uses only the first seq rows of a longer table.
+    assert torch.equal(apply_rope(x, rope), apply_rope(x, rope[:6]))
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def test_packed_window_matches_documents_run_alone():
+    model = build_model(tiny_args(rope_per_document=True))
+    window, rows = packed_batch()
+    logits = model(window, document_ids=document_ids(window, EOS))
+    for row, segments in enumerate(rows):
+        for segment, where in segment_slices(segments):
+            alone = model(segment[None])[0]
+            torch.testing.assert_close(logits[row, where], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_per_document_feeds_positions_within_documents_to_attention():
+    window, _ = packed_batch()
+    ids = document_ids(window, EOS)
+    for per_document, expected in ((True, document_positions(ids)), (False, torch.arange(window.shape[1]))):
+        model = build_model(tiny_args(rope_per_document=per_document))
+        seen = []
+        model.layers["1"].attention.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+        model(window, document_ids=ids)
+        rope = seen[0] if per_document else seen[0][: window.shape[1]]
+        assert torch.equal(rope, model.rope[expected])
+
+
+def test_without_rope_per_document_documents_see_shifted_positions_and_only_themselves():
+    model = build_model(tiny_args(rope_per_document=False))
+    window, rows = packed_batch()
+    logits = model(window, document_ids=document_ids(window, EOS))
+    for row, segments in enumerate(rows):
+        for segment, where in segment_slices(segments):
+            # The document alone, at the positions it holds in the window.
+            model.positions = torch.arange(where.start, where.stop)
+            shifted = model(segment[None])[0]
+            model.positions = None
+            torch.testing.assert_close(logits[row, where], shifted, atol=1e-5, rtol=1e-5)
+            if where.start == 0:
+                torch.testing.assert_close(logits[row, where], model(segment[None])[0], atol=1e-5, rtol=1e-5)
+    # Changing document 0 leaves the other documents' logits exactly as they were.
+    first = torch.tensor([len(segments[0]) for segments in rows])
+    in_first = torch.arange(window.shape[1]) < first[:, None]
+    ordinary = in_first & (window != BOS) & (window != EOS)
+    changed = torch.where(ordinary, 3 + (window - 3 + 1) % (VOCAB - 3), window)  # no new boundary
+    other = model(changed, document_ids=document_ids(changed, EOS))
+    for row, end in enumerate(first.tolist()):
+        assert torch.equal(other[row, end:], logits[row, end:])
+        assert not torch.allclose(other[row, :end], logits[row, :end])
+
+
+def test_one_document_window_matches_the_plain_causal_model():
+    model = build_model(tiny_args(rope_per_document=True))
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    plain = model(tokens)
+    masked = model(tokens, document_ids=torch.zeros_like(tokens))
+    torch.testing.assert_close(masked, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_of_the_packed_window_are_the_sum_over_its_documents():
+    window, rows = packed_batch()
+    targets = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(3))
+
+    packed = build_model(tiny_args(rope_per_document=True))
+    logits = packed(window, document_ids=document_ids(window, EOS))
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+
+    alone = build_model(tiny_args(rope_per_document=True))
+    for row, segments in enumerate(rows):
+        for segment, where in segment_slices(segments):
+            F.cross_entropy(alone(segment[None])[0], targets[row, where], reduction="sum").backward()
+
+    for (name, p), q in zip(packed.named_parameters(), alone.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_plain_path_keeps_the_swappable_sdpa_and_document_masking_bypasses_it():
+    """Context parallelism swaps `Attention.sdpa`; the plain forward must still go through it."""
+    model = build_model(tiny_args())
+    calls = []
+
+    def spy(q, k, v):
+        calls.append(q.shape)
+        return llama.causal_attention(q, k, v)
+
+    tokens = torch.randint(3, VOCAB, (2, 12))
+    expected = model(tokens)
+    for module in model.modules():
+        if hasattr(module, "sdpa"):
+            module.sdpa = spy
+    assert torch.equal(model(tokens), expected)
+    assert len(calls) == 2
+    model(tokens, document_ids=document_ids(tokens, EOS))
+    assert len(calls) == 2
+
+
+def test_document_masking_refuses_context_parallel_positions():
+    model = build_model(tiny_args())
+    model.positions = torch.arange(8)
+    tokens = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        model(tokens, document_ids=torch.zeros_like(tokens))
+
+
+def test_cpu_takes_the_dense_mask_and_cuda_takes_flex_attention():
+    assert not llama.use_flex_attention(torch.device("cpu"))
+    assert llama.use_flex_attention(torch.device("cuda"))
+    ids = torch.tensor([[0, 0, 1, 1]])
+    mask = llama.document_mask(ids, flex=False)
+    assert mask.shape == (1, 1, 4, 4)
+    assert mask[0, 0].tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [False, False, True, False],
+        [False, False, True, True],
+    ]
+
+
+def test_flex_attention_path_matches_the_dense_mask_on_cpu(monkeypatch):
+    """torch 2.13's CPU flex_attention runs forward only (no backward on CPU). Eager flex is used
+    here because compiling it on CPU takes tens of seconds; compiled, it matched as well."""
+    model = build_model(tiny_args(rope_per_document=True))
+    window, _ = packed_batch()
+    ids = document_ids(window, EOS)
+    with torch.no_grad():
+        dense = model(window, document_ids=ids)
+        monkeypatch.setattr(llama, "use_flex_attention", lambda device: True)
+        calls = []
+
+        def eager_flex_attention(*args, **kwargs):
+            calls.append(kwargs["block_mask"])
+            return flex_attention(*args, **kwargs)
+
+        monkeypatch.setattr(llama, "compiled_flex_attention", eager_flex_attention)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+            flex = model(window, document_ids=ids)
+    assert len(calls) == 2 and calls[0] is calls[1]  # every layer, one BlockMask shared by all
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_runs_with_document_masking(tmp_path, train_in_process, capsys):
+    args = [*TINY, "--training.steps", "3", "--training.document_masking", "true", "--model.rope_per_document", "true"]
+    assert train_in_process([*args, "--job.dump_folder", str(tmp_path / "a")]) == 0
+    assert all(math.isfinite(loss) for loss in losses(tmp_path / "a").values())
+    assert train_in_process([*TINY, "--model.rope_per_document", "true", "--job.dump_folder", str(tmp_path / "b")]) == 2
+    assert "model.rope_per_document needs training.document_masking" in capsys.readouterr().err

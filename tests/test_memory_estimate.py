@@ -1,0 +1,187 @@
+"""The memory estimator: exact persistent state, simulated activations, and agreement with real runs."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from components import memory_estimate as me
+from components.config import load_config
+from components.metrics import peak_rss_bytes
+from conftest import REPO
+
+GiB = 2**30
+# The debug model cut down: a real run of it takes seconds, and its tensors are still a good part of
+# the process's memory.
+SMALL = ["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "256",
+         "--training.local_batch_size", "8", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
+
+
+def estimate(*overrides, world_size=None, target="cpu"):
+    config = load_config(["--job.config_file", "debug_model.toml", *overrides])
+    return me.estimate(config, world_size, target, baseline_bytes=0 if target == "cpu" else None)
+
+
+def debug_param_count() -> int:
+    from models.llama3 import Transformer, build_model_args
+
+    config = load_config(["--job.config_file", "debug_model.toml"])
+    with torch.device("meta"):
+        model = Transformer(build_model_args(config, 4096))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_breakdown_adds_up_and_persistent_state_is_exact():
+    est = estimate()
+    n = debug_param_count()
+    assert est.total == sum(est.parts.values())
+    assert set(est.parts) == set(me.PARTS)
+    assert est.n_params == est.params_on_rank == n
+    assert est.parts["parameters"] == 4 * n  # fp32 master weights
+    assert est.parts["optimizer"] == 8 * n  # AdamW: two fp32 states
+    assert 0 <= est.parts["gradients"] <= 4 * n
+    assert est.parts["baseline"] == me.CPU_TRAINER_STATE  # the measured part was given as 0
+    assert est.parts["fsdp_buffers"] == 0  # one fp32 process: no FSDP
+    assert est.parts["activations"] > est.parts["parameters"]
+    text = est.format()
+    for label in me.LABELS.values():
+        assert label in text
+    assert f"{est.total / GiB:9.3f} GiB" in text
+
+
+def test_sharded_state_is_params_over_shard_degree():
+    """FSDP over 4 in bf16 (GPU-style): fp32 state / 4 per rank (every debug-model dim 0 divides by 4)."""
+    n = debug_param_count()
+    est = estimate("--training.mixed_precision_param", "bfloat16", world_size=4, target="cuda")
+    assert est.params_on_rank == n // 4
+    assert est.parts["parameters"] == 4 * n // 4
+    assert est.parts["optimizer"] == 8 * n // 4
+    assert est.parts["fsdp_buffers"] > 0 and est.parts["baseline"] == 0 and est.parts["allocator"] == 0
+
+
+@pytest.mark.parametrize("layout", [
+    {"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2},
+    {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "tensor_parallel_degree": 2},
+    {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2, "tensor_parallel_degree": 2},
+])
+def test_parameters_per_rank_match_the_real_parallelized_model(layout):
+    """The estimator's count equals what train.py's parallelize leaves on rank 0, built on the meta
+    device over a fake 8-rank process group."""
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from components.distributed import ParallelDims
+    from models.llama3 import Transformer, build_model_args, parallelize
+
+    overrides = ["--training.mixed_precision_param", "bfloat16", "--model.vocab_size", "4100"]  # 4100: uneven shards
+    for key, value in layout.items():
+        overrides += [f"--parallelism.{key}", str(value)]
+    config = load_config(["--job.config_file", "debug_model.toml", *overrides])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        dims = ParallelDims.from_config(config.parallelism, 8)
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(build_model_args(config, 4096))
+        model = parallelize(model, dims, mesh, config, torch.device("cpu"))
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    est = me.estimate(config, 8, "cuda")
+    assert est.params_on_rank == local
+    assert est.parts["parameters"] == 4 * local and est.parts["optimizer"] == 8 * local
+
+
+def test_activations_grow_linearly_with_batch_and_drop_with_checkpointing():
+    acts = {b: estimate("--training.local_batch_size", str(b), "--training.seq_len", "128").saved_activations for b in (2, 4, 8)}
+    assert acts[4] == pytest.approx(2 * acts[2], rel=1e-3)
+    assert acts[8] == pytest.approx(2 * acts[4], rel=1e-3)
+    by_mode = {
+        mode: estimate("--training.seq_len", "128", *args).saved_activations
+        for mode, args in {
+            "none": [],
+            "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+            "full": ["--activation_checkpoint.mode", "full"],
+        }.items()
+    }
+    assert by_mode["full"] < by_mode["op"] < by_mode["none"]
+    assert by_mode["full"] < 0.3 * by_mode["none"]
+
+
+@pytest.mark.parametrize("ac", [("none", "2"), ("full", "2"), ("selective", "op"), ("selective", "2"), ("selective", "3")])
+@pytest.mark.parametrize("stage", [{}, {"first": False}, {"last": False}])
+def test_simulating_a_few_blocks_gives_the_whole_model(ac, stage):
+    """The blocks left out of the simulation are added exactly (identical blocks)."""
+    from models import llama3
+
+    args = llama3.build_model_args(load_config(["--job.config_file", "debug_model.toml", "--model.n_layers", "11"]), 4096)
+    kwargs = dict(batch=2, seq=32, dtype=torch.float32, ac_mode=ac[0], ac_option=ac[1], **stage)
+    whole = me.simulate_micro_batch(llama3, args, simulate_blocks=11, **kwargs)
+    few = me.simulate_micro_batch(llama3, args, **kwargs)
+    assert me.blocks_to_simulate(11, *ac) < 11
+    assert few.saved == whole.saved
+    assert few.block_grad_bytes == whole.block_grad_bytes
+    for weights in ((1, 1, 1), (1, 0, 0), (1, 1, 0.25)):
+        peak = lambda sim: max(o * weights[0] + r * weights[1] + b * weights[2] for o, r, b in sim.samples)
+        assert peak(few) == peak(whole)
+
+
+def test_parallel_layouts_shrink_what_they_split():
+    base = ["--training.mixed_precision_param", "bfloat16", "--training.seq_len", "256"]
+    one = estimate(*base, target="cuda")
+    tp = estimate(*base, "--parallelism.tensor_parallel_degree", "2", target="cuda")
+    cp = estimate(*base, "--parallelism.context_parallel_degree", "2", target="cuda")
+    pp = estimate(*base, "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                  "--parallelism.pipeline_parallel_microbatch_size", "1", target="cuda")
+    assert tp.saved_activations < one.saved_activations and tp.params_on_rank < one.params_on_rank
+    assert cp.saved_activations < one.saved_activations
+    assert cp.params_on_rank < one.params_on_rank  # FSDP shards over dp_shard x cp
+    assert pp.params_on_rank < one.params_on_rank
+    for est in (one, tp, cp, pp):
+        assert est.total == sum(est.parts.values())
+
+
+def test_cli_prints_the_breakdown(capsys):
+    assert me.main(["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--target", "cuda",
+                    "--training.mixed_precision_param", "bfloat16", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard=2" in out and "total" in out and "activations (saved for backward)" in out
+    assert me.main(["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "3", "--world-size", "2"]) == 2
+
+
+def test_llama3_8b_estimate_is_fast_plausible_and_allocates_nothing():
+    config = load_config(["--job.config_file", "llama3_8b.toml"])
+    rss_before = peak_rss_bytes()
+    start = time.perf_counter()
+    est = me.estimate(config, world_size=8, target="cuda")
+    seconds = time.perf_counter() - start
+    growth = peak_rss_bytes() - rss_before
+    assert seconds < 10, seconds
+    assert growth < 1 * GiB, growth / GiB
+    assert est.n_params == pytest.approx(8.03e9, rel=0.01)
+    assert est.parts["parameters"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+    assert 45 * GiB < est.total < 75 * GiB, est.format()  # published FSDP-8 bf16 selective-AC figures: 50-70 GiB
+
+
+@pytest.mark.slow
+def test_estimate_is_within_20_percent_of_a_real_cpu_run(tmp_path):
+    """A real run in a fresh process (its peak resident memory is then its own), against the estimator's CLI,
+    also in a fresh process (it measures its baseline in itself)."""
+    train = subprocess.run(
+        [sys.executable, "train.py", *SMALL, "--training.steps", "4", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r["memory_gib"] for r in records)
+    cli = subprocess.run([sys.executable, "-m", "components.memory_estimate", *SMALL], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    estimated = float(re.search(r"^\s+total\s+([0-9.]+) GiB", cli.stdout, re.M).group(1))
+    assert "target cpu" in cli.stdout
+    assert abs(estimated - measured) / measured < 0.2, (estimated, measured, cli.stdout)

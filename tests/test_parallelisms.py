@@ -1,0 +1,92 @@
+"""Every parallel layout trains like one process: per-step losses of N gloo processes match the
+single-process run at the same global batch and seed (CPU, fp32)."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, losses, torchrun, val_losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+# Four blocks so that an interleaved pipeline has two stages per rank; global batch 8 everywhere.
+# The validation loss after the last step is compared too.
+BASE = [*TINY, "--model.n_layers", "4", "--training.steps", str(STEPS), "--training.global_batch_size", "8",
+        "--validation.enable", "true", "--validation.freq", str(STEPS), "--validation.steps", "1"]
+
+
+def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, local_batch=None, extra=()):
+    dp = dp_replicate * dp_shard
+    args = [
+        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.context_parallel_degree", str(cp),
+        "--training.local_batch_size", str(local_batch or 8 // dp),
+        *extra,
+    ]
+    return dp_replicate * dp_shard * tp * pp * cp, args
+
+
+LAYOUTS = {
+    "tp4": layout(tp=4),
+    "dp_shard2_tp2": layout(dp_shard=2, tp=2),
+    "hsdp_2x2": layout(dp_replicate=2, dp_shard=2),
+    "dp_shard4_never_reshard": layout(dp_shard=4, extra=["--parallelism.fsdp_reshard_after_forward", "never"]),
+    "pp2_dp_shard2": layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]),
+    "pp2_dp_shard2_interleaved": layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_tp2": layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "cp2_dp_shard2": layout(cp=2, dp_shard=2),
+    "cp2_tp2": layout(cp=2, tp=2),
+    "dp_shard2_tp2_pp2": layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
+}
+
+
+def test_tensor_parallel_degree_must_divide_the_heads():
+    from components.config import ConfigError
+    from models.llama3 import ModelArgs, Transformer
+    from models.llama3.parallelize import check_tp_fits
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=32))
+    check_tp_fits(model, 2)
+    with pytest.raises(ConfigError, match=r"parallelism.tensor_parallel_degree 4 must divide model.n_kv_heads \(2\)"):
+        check_tp_fits(model, 4)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run every layout is compared with."""
+    import train
+
+    dump = tmp_path_factory.mktemp("reference")
+    assert train.main([*BASE, "--training.local_batch_size", "8", "--job.dump_folder", str(dump)]) == 0
+    return dump
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_one_process(name, reference, tmp_path):
+    nproc, args = LAYOUTS[name]
+    torchrun(nproc, [*BASE, *args, "--job.dump_folder", str(tmp_path)])
+    got, expected = losses(tmp_path), losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
+    assert val_losses(tmp_path)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
+
+
+def test_checkpoint_saved_under_fsdp4_resumes_under_tp2_pp2(reference, tmp_path):
+    """DCP reshards on load and the data position is global: the loss curve continues."""
+    nproc, fsdp4 = layout(dp_shard=4)
+    torchrun(nproc, [*BASE, *fsdp4, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)])
+    shutil.rmtree(tmp_path / "checkpoint" / f"step-{STEPS}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    nproc, tp2_pp2 = layout(tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"])
+    torchrun(nproc, [*BASE, *tp2_pp2, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)])
+    got, expected = losses(tmp_path), losses(reference)
+    assert sorted(got) == list(range(4, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
