@@ -151,9 +151,9 @@ def test_dry_run_prints_estimates_without_running(capsys):
 
 @pytest.mark.slow
 def test_autotune_picks_the_faster_of_two_real_runs(tmp_path, capsys):
-    """Local batch 8 vs 1 on a tiny model on CPU: batch 8 does far more tokens per second. The
-    configured batch is 1, so batch 8 runs 8 sequences per optimizer step and batch 1 one (with a
-    configured batch of 8, batch 1 would accumulate 8 micro-batches and be nearly as fast)."""
+    """Local batch 8 vs 1 on a tiny model on CPU, both really run. Which is faster is a measurement
+    (batch 8 usually is, by far, but a loaded machine can blur it): the test checks that the report
+    ranks the runs by their measured speed and that the winner's command is the fastest run's."""
     code = at.main([
         "--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
         "--training.local_batch_size", "1",
@@ -164,8 +164,9 @@ def test_autotune_picks_the_faster_of_two_real_runs(tmp_path, capsys):
     report = (tmp_path / "autotune.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert len(rows) == 2, report
-    assert rows[0].startswith("| 1 | batch 8, AC none, compile off (global 8: changes the optimization)"), report
     speeds = [float(re.split(r"\s*\|\s*", row)[3].replace(",", "")) for row in rows]
-    assert speeds[0] > 1.5 * speeds[1], report
-    assert "--training.local_batch_size 8" in report.split("winner:")[1]
+    assert speeds[0] >= speeds[1] > 0, report
+    fastest_batch = re.search(r"\| 1 \| batch (\d+),", rows[0]).group(1)
+    assert f"winner: batch {fastest_batch}, AC none" in report
+    assert re.findall(r"--training.local_batch_size (\d+)", report.split("winner:")[1])[-1] == fastest_batch  # the last one wins
     assert (tmp_path / "runs" / "b8_ac-none_compile-off" / "metrics.jsonl").exists()

@@ -1,5 +1,6 @@
 """The packed-data training loader (components/data/packed.py) on small packed folders built here."""
 
+import gc
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -117,6 +118,10 @@ def test_resume_mid_epoch_is_exact(folder, num_workers):
     head = [next(batches) for _ in range(5)]  # workers have prefetched further
     state = first.state_dict()
     assert state == {"samples_consumed": 15}
+    # Stop the first loader's workers (and their queue threads) before the next one forks its own,
+    # as a restarted trainer would: forking while another loader's threads run can crash the child.
+    del batches, first
+    gc.collect()
     resumed = loader(folder, num_workers=num_workers)
     resumed.load_state_dict(state)
     tail = take(resumed, 9)
