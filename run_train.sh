@@ -11,5 +11,10 @@ if [[ -z "${NGPU:-}" ]]; then
   NGPU=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+# On SIGTERM or SIGUSR1 (SLURM's warnings before a kill), torchrun passes the signal to the workers,
+# which save a checkpoint and exit with status 75; torchrun gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# seconds before it kills them. See docs/reliability.md.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 exec torchrun --standalone --nproc_per_node "$NGPU" "$(dirname "$0")/train.py" --job.config_file "$CONFIG_FILE" "$@"

@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,7 +30,9 @@ from components.hf import load_hf_weights
 from components.layer_metrics import LayerMetrics
 from components.metrics import MetricsLogger, peak_memory_gib
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
+from components.preemption import EXIT_PREEMPTED, PREEMPTED_FILE, StopSignals, write_preempted_record
 from components.profiling import Profiler
+from components.step_guard import StepGuard, TrainingStopped
 from components.tokenizer import build_tokenizer
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import precompute_float8_scales
@@ -55,9 +58,10 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def train(config: Config) -> None:
+def train(config: Config, signals: StopSignals) -> int:
+    """Train as configured; return the exit status (0, or EXIT_PREEMPTED after a stop signal)."""
     # --- Processes, the device mesh and the run's folder -------------------------------------
-    device = init_distributed(config.comm.init_timeout_seconds)
+    device = init_distributed(config.comm, Path(config.job.dump_folder))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_logging(rank)
     dims = ParallelDims.from_config(config.parallelism, world_size)
@@ -80,6 +84,8 @@ def train(config: Config) -> None:
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
     dump_folder = Path(config.job.dump_folder)
+    # Agreeing on stop signals without a device sync: a CPU group, with the training timeout.
+    stop_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.train_timeout_seconds))
     if rank == 0:
         logger.info(f"config written to {dump_config(config, dump_folder)}")
 
@@ -131,24 +137,27 @@ def train(config: Config) -> None:
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
     dataloader = build_dataloader(config, tokenizer, dp_rank, dp_size)
     train_state = TrainState()
+    step_guard = StepGuard(training, device)
     checkpointer = CheckpointManager(
-        config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, training.steps, device,
+        config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard, training.steps, device,
         load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
     )
     if config.checkpoint.create_seed_checkpoint:
         if world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
-        return
+        return 0
     start_step = checkpointer.load()
     train_state.step = start_step
+    if rank == 0:
+        (dump_folder / PREEMPTED_FILE).unlink(missing_ok=True)
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
-        return
+        return 0
 
     metrics = MetricsLogger(
         dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0, to_toml(config),
-        matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param,
+        matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param, resume_step=start_step,
     )
     layer_metrics = (
         LayerMetrics(model_parts, model_args.n_layers, mesh["pp"].get_group() if dims.pp > 1 else None)
@@ -197,64 +206,93 @@ def train(config: Config) -> None:
             part.train()
         return mean_over_ranks(loss_sum).item() / config.validation.steps
 
+    def stop_for_signal(step: int) -> int:
+        """Save a checkpoint of `step` on every rank; return the exit status of a preempted run."""
+        cause = signals.describe()
+        if not config.checkpoint.enable:
+            logger.warning(f"{cause} at step {step}: stopping without a checkpoint (checkpoint.enable is false)")
+            return EXIT_PREEMPTED
+        checkpointer.maybe_save(step, force=True)
+        checkpointer.wait()
+        path = checkpointer.folder / f"step-{step}"
+        if rank == 0:
+            write_preempted_record(dump_folder, step, path, cause)
+        logger.info(f"{cause}: checkpoint {path} saved; exiting with status {EXIT_PREEMPTED} (rerun to resume)")
+        return EXIT_PREEMPTED
+
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
-    with Profiler(config.profiling, dump_folder, rank, device) as profiler:
-        for step in range(start_step + 1, training.steps + 1):
-            optimizers.zero_grad()
-            loss_sum = torch.zeros((), device=device)
-            log_this_step = metrics.should_log(step)
-            # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
-            # which would pollute the per-layer statistics.
-            log_layers = layer_metrics is not None and log_this_step and not (dims.pp > 1 and step == start_step + 1)
-            if log_layers:
-                layer_metrics.start()
-            for micro_step in range(grad_accum_steps):
-                inputs, labels, documents = prepare(next(data_iter))
-                for part in model_parts:  # reduce gradients across ranks on the last micro-batch only
-                    if isinstance(part, FSDPModule):
-                        part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-                with loss_parallel() if use_loss_parallel else nullcontext():
-                    if dims.pp > 1:
-                        # The schedule runs forward and backward of every micro-batch of the pipeline;
-                        # the last stage's losses are already divided by the number of micro-batches.
-                        losses = [] if has_last_stage else None
-                        schedule.step(
-                            *([inputs] if has_first_stage else []), target=labels if has_last_stage else None,
-                            losses=losses, return_outputs=False,
-                        )
-                        if has_last_stage:
-                            loss_sum += torch.stack([full(l) for l in losses]).detach().sum()
-                    else:
-                        loss = loss_fn(model_parts[0](inputs, documents), labels) / grad_accum_steps
-                        loss.backward()
-                        loss_sum += full(loss).detach()
-            layers = layer_metrics.collect(device) if log_layers else None
-            grad_norm = clip_grad_norm(model_parts, training.max_norm, mesh["pp"].get_group() if dims.pp > 1 else None)
-            lr = lr_schedule.lr
-            optimizers.step()
-            lr_schedule.step()
-            if precompute_float8:
-                for part in model_parts:
-                    precompute_float8_scales(part)
-            train_state.step = step
+    try:
+        with Profiler(config.profiling, dump_folder, rank, device) as profiler:
+            for step in range(start_step + 1, training.steps + 1):
+                optimizers.zero_grad()
+                loss_sum = torch.zeros((), device=device)
+                log_this_step = metrics.should_log(step)
+                # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
+                # which would pollute the per-layer statistics.
+                log_layers = layer_metrics is not None and log_this_step and not (dims.pp > 1 and step == start_step + 1)
+                if log_layers:
+                    layer_metrics.start()
+                for micro_step in range(grad_accum_steps):
+                    inputs, labels, documents = prepare(next(data_iter))
+                    for part in model_parts:  # reduce gradients across ranks on the last micro-batch only
+                        if isinstance(part, FSDPModule):
+                            part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+                    with loss_parallel() if use_loss_parallel else nullcontext():
+                        if dims.pp > 1:
+                            # The schedule runs forward and backward of every micro-batch of the pipeline;
+                            # the last stage's losses are already divided by the number of micro-batches.
+                            losses = [] if has_last_stage else None
+                            schedule.step(
+                                *([inputs] if has_first_stage else []), target=labels if has_last_stage else None,
+                                losses=losses, return_outputs=False,
+                            )
+                            if has_last_stage:
+                                loss_sum += torch.stack([full(l) for l in losses]).detach().sum()
+                        else:
+                            loss = loss_fn(model_parts[0](inputs, documents), labels) / grad_accum_steps
+                            loss.backward()
+                            loss_sum += full(loss).detach()
+                layers = layer_metrics.collect(device) if log_layers else None
+                grad_norm = clip_grad_norm(model_parts, training.max_norm, mesh["pp"].get_group() if dims.pp > 1 else None)
+                step_loss = mean_over_ranks(loss_sum)
+                lr = lr_schedule.lr
+                optimizers.step(skip=step_guard.decide(step, step_loss, grad_norm))
+                lr_schedule.step()
+                if precompute_float8:
+                    for part in model_parts:
+                        precompute_float8_scales(part)
+                train_state.step = step
 
-            metrics.count_tokens(tokens_per_step)
-            if log_this_step:
-                metrics.log(step, mean_over_ranks(loss_sum).item(), grad_norm.item(), lr)
-            if layers:
-                metrics.log_layers(step, layers)
-            if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):
-                start = time.perf_counter()
-                metrics.log_validation(step, validation_loss(), time.perf_counter() - start)
-            if step == start_step + 1:
-                logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
-            checkpointer.maybe_save(step)
-            profiler.step(step)
-
-    checkpointer.close()
-    metrics.close()
+                metrics.count_tokens(tokens_per_step)
+                stop_now = signals.agreed(stop_group)
+                # The guard's counters are read (a sync) only where the loop syncs anyway; a run that
+                # must stop does so before it saves.
+                if log_this_step or checkpointer.due(step) or stop_now or step == training.steps:
+                    skipped = step_guard.check()
+                if log_this_step:
+                    metrics.log(step, step_loss.item(), grad_norm.item(), lr, skipped)
+                if layers:
+                    metrics.log_layers(step, layers)
+                if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):
+                    start = time.perf_counter()
+                    metrics.log_validation(step, validation_loss(), time.perf_counter() - start)
+                if step == start_step + 1:
+                    logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
+                checkpointer.maybe_save(step)
+                profiler.step(step)
+                if stop_now and step < training.steps:
+                    return stop_for_signal(step)
+    finally:
+        checkpointer.close()
+        metrics.close()
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
+    return 0
+
+
+EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3
+"""Exit statuses besides 0, 1 (a crash) and EXIT_PREEMPTED (75): a config or input that cannot be
+used; a run stopped by its step guard (non-finite values, too many skipped steps)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,17 +300,24 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        train(config)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        logging.getLogger("ingot").error(f"error: {e}")
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        return EXIT_BAD_INPUT
+    with StopSignals() as signals:
+        try:
+            return train(config, signals)
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            return report(f"error: {e}", EXIT_BAD_INPUT)
+        except TrainingStopped as e:
+            return report(f"training stopped: {e}", EXIT_STOPPED)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def report(message: str, status: int) -> int:
+    """One line in the log and on stderr (which torchrun shows per rank)."""
+    logger.error(message)
+    print(message, file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

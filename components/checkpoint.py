@@ -1,10 +1,12 @@
 """Distributed checkpoints (torch.distributed.checkpoint) of everything a run needs to continue.
 
 A checkpoint is the folder <dump_folder>/<checkpoint.folder>/step-N holding the model, optimizer,
-LR scheduler, data loader position, RNG states and the step. Each rank writes its own shards, and DCP
-reshards on load, so a checkpoint saved under one parallel layout loads under another. A run whose
-dump folder already holds a checkpoint resumes from the newest complete one; otherwise it may start
-from the weights in `checkpoint.initial_load_path`: a DCP checkpoint or a Hugging Face folder.
+LR scheduler, data loader position, RNG states, the step guard's statistics and the step. Each rank
+writes its own shards, and DCP reshards on load, so a checkpoint saved under one parallel layout
+loads under another. A checkpoint becomes visible only once complete on every rank, with sizes and
+checksums of its files (checkpoint_integrity.py). A run whose dump folder already holds checkpoints
+resumes from the newest intact one; otherwise it may start from the weights in
+`checkpoint.initial_load_path`: a DCP checkpoint or a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
+from components.checkpoint_integrity import PARTIAL_SUFFIX, CommittingWriter, check_checkpoint, listed_files
 from components.config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -71,15 +74,44 @@ class TrainState(Stateful):
 
 
 def step_folders(folder: Path) -> dict[int, Path]:
-    """Complete checkpoints by step. DCP writes `.metadata` last, so a folder without it is the
-    remains of an interrupted save and is not a checkpoint."""
+    """Committed checkpoints by step: folders named exactly step-N (see checkpoint_integrity.py;
+    a save in progress or interrupted is step-N.partial)."""
     found = {}
     if folder.is_dir():
         for path in folder.iterdir():
             match = re.fullmatch(r"step-(\d+)", path.name)
-            if match and (path / ".metadata").is_file():
+            if match and path.is_dir():
                 found[int(match.group(1))] = path
     return dict(sorted(found.items()))
+
+
+def agreed_problems(problem: str | None) -> list[str]:
+    """Every rank's finding (None: nothing wrong), so that all ranks take the same decision."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return [p for p in found if p]
+
+
+def intact(path: Path, verify_checksums: bool) -> str | None:
+    """What is wrong with a checkpoint (the same answer on every rank), or None. The ranks share
+    the checksum reading: each verifies every world_size-th file."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = set(listed_files(path)[rank::world])
+    problems = agreed_problems(check_checkpoint(path, verify_checksums, mine))
+    return problems[0] if problems else None
+
+
+def mismatch(path: Path, weights: dict[str, torch.Tensor]) -> str | None:
+    """The first of this rank's model weights whose global shape differs from the checkpoint's, or
+    that the checkpoint lacks (a model flavor or dimension override that differs)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in weights.items():
+        entry = saved.get(f"model.{name}")
+        if entry is None:
+            return f"model weight {name} is not in the checkpoint"
+        if tuple(entry.size) != tuple(tensor.shape):
+            return f"model weight {name} has shape {tuple(entry.size)} in the checkpoint and {tuple(tensor.shape)} in this model"
+    return None
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -94,7 +126,7 @@ def is_model_only(path: Path) -> bool:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model_parts: list[nn.Module], optimizers: Stateful,
-                 lr_schedule: Stateful, dataloader, train_state: TrainState, total_steps: int, device: torch.device,
+                 lr_schedule: Stateful, dataloader, train_state: TrainState, step_guard: Stateful, total_steps: int, device: torch.device,
                  load_hf: Callable[[Path], None]):
         """`load_hf(path)` loads the weights of a Hugging Face folder into the model parts
         (components.hf.load_hf_weights), for an initial_load_path that is one."""
@@ -107,8 +139,10 @@ class CheckpointManager:
             "lr_scheduler": lr_schedule,
             "dataloader": dataloader,
             "train_state": train_state,
+            "step_guard": step_guard,
         }
         self.pending = None
+        self.last_saved = None
         self.async_kwargs = {}
         mode = cfg.async_mode
         if mode == "async_with_pinned_mem" and device.type != "cuda":
@@ -126,84 +160,147 @@ class CheckpointManager:
         self.mode = mode
 
     def load(self) -> int:
-        """Restore the newest checkpoint of this run, or the initial weights; return the step to
-        continue after (0 for a fresh start)."""
-        found = step_folders(self.folder)
-        if found:
-            step, path = next(reversed(found.items()))
-            if is_model_only(path):
-                if step != 0:
-                    raise ValueError(
-                        f"{path} holds model weights only and cannot resume a run; start a new dump folder "
-                        f"with --checkpoint.initial_load_path {path}"
-                    )
-                return self._load_weights(path)
-            start = time.perf_counter()
-            dcp.load(self.states, checkpoint_id=str(path))
-            logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
-            return self.states["train_state"].step
+        """Restore the newest intact checkpoint of this run, or the initial weights; return the step
+        to continue after (0 for a fresh start). A damaged checkpoint is named, renamed
+        step-N.damaged (kept for inspection) and the next older one tried."""
+        if dist.get_rank() == 0:
+            self._remove_leftovers()
+        damaged = []
+        for step, path in reversed(step_folders(self.folder).items()):
+            problem = intact(path, self.cfg.checksums)
+            if problem is None:
+                return self._resume(step, path)
+            damaged.append(f"{path.name}: {problem}")
+            logger.warning(f"checkpoint {path} is damaged ({problem}); skipping it")
+            if dist.get_rank() == 0:
+                path.rename(unused_name(path, ".damaged"))
+            dist.barrier()
+        if damaged:
+            raise ValueError(
+                f"no intact checkpoint in {self.folder} ({'; '.join(damaged)}); they were renamed *.damaged. "
+                f"Rerun to start from step 0, or use another job.dump_folder"
+            )
         if self.cfg.initial_load_path:
             return self._load_weights(Path(self.cfg.initial_load_path))
         return 0
+
+    def _remove_leftovers(self) -> None:
+        """Folders of saves or deletions that a killed run left behind; never read, so removed."""
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.iterdir()):
+            if path.is_dir() and path.name.endswith((PARTIAL_SUFFIX, ".deleting")):
+                logger.info(f"removing {path}, left by an interrupted save or deletion")
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _check_fits(self, path: Path) -> None:
+        problems = agreed_problems(mismatch(path, self.states["model"].state_dict()))
+        if problems:
+            raise ValueError(f"checkpoint {path} does not fit this model: {problems[0]} (check model.flavor and the model.* overrides)")
+
+    def _resume(self, step: int, path: Path) -> int:
+        if is_model_only(path):
+            if step != 0:
+                raise ValueError(
+                    f"{path} holds model weights only and cannot resume a run; start a new dump folder "
+                    f"with --checkpoint.initial_load_path {path}"
+                )
+            return self._load_weights(path)
+        self._check_fits(path)
+        start = time.perf_counter()
+        dcp.load(self.states, checkpoint_id=str(path))
+        logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
+        self.last_saved = step
+        return self.states["train_state"].step
 
     def _load_weights(self, path: Path) -> int:
         start = time.perf_counter()
         if is_hf_folder(path):
             self.load_hf(path)
         elif (path / ".metadata").is_file():
+            problem = intact(path, self.cfg.checksums)
+            if problem:
+                raise ValueError(f"checkpoint.initial_load_path {path} is damaged: {problem}")
+            self._check_fits(path)
             dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
         else:
             raise FileNotFoundError(f"no DCP checkpoint (.metadata) or Hugging Face model (config.json, *.safetensors) at {path}")
         logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s; training starts at step 1")
         return 0
 
+    def _writer(self, step: int) -> CommittingWriter:
+        """A writer for step-N; what an earlier, interrupted save of the same step left is removed first."""
+        final = self.folder / f"step-{step}"
+        if dist.get_rank() == 0:
+            shutil.rmtree(str(final) + PARTIAL_SUFFIX, ignore_errors=True)
+        dist.barrier()
+        return CommittingWriter(final, self.cfg.checksums)
+
     def save_seed(self) -> Path:
         """The freshly initialised weights as step-0, for runs that must start from identical weights."""
-        path = self.folder / "step-0"
-        dcp.save({"model": self.states["model"]}, checkpoint_id=str(path))
-        return path
+        dcp.save({"model": self.states["model"]}, storage_writer=self._writer(0))
+        return self.folder / "step-0"
 
-    def maybe_save(self, step: int) -> None:
-        last = step == self.total_steps
-        if not (self.cfg.enable and (last or step % self.cfg.interval == 0)):
+    def due(self, step: int) -> bool:
+        """Whether maybe_save(step) saves: at the configured interval and at the last step."""
+        return self.cfg.enable and (step == self.total_steps or step % self.cfg.interval == 0) and step != self.last_saved
+
+    def maybe_save(self, step: int, force: bool = False) -> None:
+        """Save if due, or now when `force` (preemption)."""
+        if not (self.due(step) or force and step != self.last_saved):
             return
+        last = step == self.total_steps
         self.wait()
         path = self.folder / f"step-{step}"
         start = time.perf_counter()
+        writer = self._writer(step)
         if last and self.cfg.last_save_model_only:
             dtype = DTYPES[self.cfg.export_dtype]
             weights = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
-            dcp.save({"model": weights}, checkpoint_id=str(path))
-        elif self.mode == "disabled":
-            dcp.save(self.states, checkpoint_id=str(path))
+            dcp.save({"model": weights}, storage_writer=writer)
+        elif self.mode == "disabled" or force:
+            dcp.save(self.states, storage_writer=writer)
         else:
-            result = dcp.async_save(self.states, checkpoint_id=str(path), **self.async_kwargs)
+            result = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
             if isinstance(result, AsyncSaveResponse):
                 # Staging copies the state into pinned memory; it must end before the optimizer
                 # changes the parameters again. The upload to disk goes on in the background.
                 result.staging_completion.result()
                 result = result.upload_completion
             self.pending = result
+        self.last_saved = step
         what = "queued" if self.pending is not None else "saved"
         logger.info(f"checkpoint {path} {what} in {time.perf_counter() - start:.2f}s")
         self.purge()
 
     def wait(self) -> None:
-        """Block until a background save has finished."""
+        """Block until a background save has finished (and its checkpoint is committed)."""
         if self.pending is not None:
             self.pending.result()
             self.pending = None
             self.purge()
 
     def purge(self) -> None:
-        """Delete the oldest complete checkpoints beyond keep_latest_k (never one still being written)."""
+        """Delete the oldest committed checkpoints beyond keep_latest_k. A save in progress is not
+        committed yet, so it never counts towards the k kept. A folder is renamed first, so that a
+        deletion cut short never leaves something that looks like a checkpoint."""
         if self.cfg.keep_latest_k <= 0 or dist.get_rank() != 0:
             return
-        complete = list(step_folders(self.folder).values())
-        for path in complete[: -self.cfg.keep_latest_k]:
-            shutil.rmtree(path, ignore_errors=True)
+        committed = list(step_folders(self.folder).values())
+        for path in committed[: -self.cfg.keep_latest_k]:
+            doomed = path.rename(unused_name(path, ".deleting"))
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
         if self.mode == "async_with_pinned_mem":
             self.stager.close()
+
+
+def unused_name(path: Path, suffix: str) -> Path:
+    """path + suffix, or path + suffix + "-2", "-3"... if taken."""
+    candidate, n = path.with_name(path.name + suffix), 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate

@@ -77,8 +77,9 @@ class Optimizer:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    implementation: str = "foreach"
-    """One of foreach, fused, for-loop."""
+    implementation: str = "fused"
+    """One of fused, foreach, for-loop. fused skips an optimizer step on the device (see
+    training.on_nonfinite); the others need a device-to-host sync per step for that."""
 
 
 @dataclass
@@ -123,6 +124,18 @@ class Training:
     """dtype of parameters in forward/backward (float32 keeps full precision; use it on CPU)."""
     mixed_precision_reduce: str = "float32"
     """dtype of the gradient reduction across data-parallel ranks."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf never updates the weights. stop: end the run
+    (exit code 3) naming the step; skip: go on, counting skipped steps."""
+    max_skipped_steps: int = 100
+    """Stop (exit code 3) once more optimizer steps than this were skipped (non-finite or spike);
+    -1: no limit."""
+    spike_guard: bool = False
+    """Skip the optimizer step when the loss or gradient norm is more than spike_sigma standard
+    deviations above the mean of the last spike_window accepted steps."""
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    """Accepted steps the spike statistics cover; the guard acts once the window is full."""
 
 
 @dataclass
@@ -165,6 +178,9 @@ class Checkpoint:
     export_dtype: str = "float32"
     create_seed_checkpoint: bool = False
     """Initialise the model on one process, save it as step-0 and exit."""
+    checksums: bool = True
+    """Record a CRC32 of every checkpoint file (each rank its own files, about 1 s per GB) and
+    verify them before resuming; sizes are always recorded and verified."""
 
 
 @dataclass
@@ -241,6 +257,10 @@ class Comm:
     """Timeout of the first collectives (start-up, checkpoint loading)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives once training runs."""
+    trace_buf_size: int = 20000
+    """CUDA: collectives the NCCL flight recorder keeps per rank (0 disables it). On a timeout
+    each rank dumps them to <dump_folder>/<flight_recorder_folder>/rank_<R>."""
+    flight_recorder_folder: str = "comm_traces"
 
 
 @dataclass
@@ -267,7 +287,8 @@ class ConfigError(ValueError):
 
 CHOICES = {
     "optimizer.name": ("AdamW",),
-    "optimizer.implementation": ("foreach", "fused", "for-loop"),
+    "optimizer.implementation": ("fused", "foreach", "for-loop"),
+    "training.on_nonfinite": ("stop", "skip"),
     "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "constant"),
     "training.dataset": ("hf", "packed"),
     "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
@@ -391,9 +412,11 @@ def load_config(argv: list[str] | None = None) -> Config:
     if config_files:
         path = resolve_config_file(config_files[-1])
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"cannot parse {path}: {e}") from None
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start})") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section]{_nearest(section, list(SECTIONS))}")

@@ -5,22 +5,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.config import ConfigError, Parallelism
+from components.config import Comm, ConfigError, Parallelism
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-def init_distributed(init_timeout_seconds: int) -> torch.device:
+def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
     """Join the process group torchrun describes (or a one-process group without torchrun).
 
-    CUDA runs get NCCL for GPU tensors and gloo for CPU tensors (async checkpointing needs the
-    latter); CPU runs use gloo."""
-    timeout = timedelta(seconds=init_timeout_seconds)
+    CUDA runs get NCCL for GPU tensors and gloo for CPU tensors (async checkpointing and the
+    preemption watch need the latter); CPU runs use gloo. On CUDA the NCCL flight recorder keeps
+    the last comm.trace_buf_size collectives of each rank and dumps them when a collective times
+    out (variables already set in the environment win)."""
+    timeout = timedelta(seconds=comm.init_timeout_seconds)
+    if torch.cuda.is_available() and comm.trace_buf_size > 0:
+        traces = dump_folder / comm.flight_recorder_folder
+        traces.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(traces / "rank_"))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -75,8 +84,8 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
-                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = {others}; "
-                    "check the parallelism.*_degree keys"
+                    f"dp_replicate*cp*tp*pp = {others} (the parallelism.*_degree keys) needs a multiple of {others} "
+                    f"processes, but {self.world_size} were started (NGPU / --nproc_per_node)"
                 )
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1:

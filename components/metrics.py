@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -73,22 +74,42 @@ def peak_memory_gib(device: torch.device) -> float:
     return peak_rss_bytes() / 2**30
 
 
+def keep_records_up_to(path: Path, step: int) -> None:
+    """Rewrite a metrics.jsonl without the records of steps after `step`, and without a last line
+    that a killed process left unfinished."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        if json.loads(line).get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 
     def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int, is_writer: bool,
-                 config_text: str = "", matmul_dtype: str = "float32"):
+                 config_text: str = "", matmul_dtype: str = "float32", resume_step: int = 0):
+        """`resume_step`: the step a resumed run continues after; what an earlier attempt logged for
+        later steps is dropped from metrics.jsonl and TensorBoard, as those steps are run again."""
         self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
         self.log_freq, self.is_writer = cfg.log_freq, is_writer
         self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
         self.jsonl = self.tb = None
         if is_writer:
             logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})")
-            self.jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
+            jsonl_path = dump_folder / "metrics.jsonl"
+            keep_records_up_to(jsonl_path, resume_step)
+            self.jsonl = open(jsonl_path, "a", buffering=1)
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder))
+                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder), purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
                 self.tb.add_text("config", f"```\n{config_text}\n```")
         self.reset_timer()
@@ -103,7 +124,8 @@ class MetricsLogger:
         """Tokens a step consumed on all ranks; the logged rate covers every step since the last log."""
         self.tokens += tokens
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, counters: dict[str, int] | None = None) -> None:
+        """One step's figures; `counters` (e.g. skipped steps) are added to the record as they are."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.start
@@ -116,11 +138,13 @@ class MetricsLogger:
             "tokens_per_second": tps,
             "mfu": 100 * tps * self.flops_per_token / self.peak_flops,
             "memory_gib": peak_memory_gib(self.device),
+            **(counters or {}),
         }
         if self.is_writer:
             logger.info(
                 f"step {step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
                 f"tokens/s {tps:9,.0f}  mfu {record['mfu']:5.2f}%  memory {record['memory_gib']:6.2f}GiB"
+                + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
             if self.tb is not None:

@@ -28,7 +28,7 @@ class Optimizers(Stateful):
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
         impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[cfg.implementation]
-        self.model_parts = model_parts
+        self.model_parts, self.fused = model_parts, cfg.implementation == "fused"
         self.optimizers = [
             torch.optim.AdamW(part.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
             for part in model_parts
@@ -42,8 +42,17 @@ class Optimizers(Stateful):
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """One optimizer step, or none where the boolean tensor `skip` is true. The fused AdamW
+        decides on the device (the `found_inf` mechanism of torch.amp.GradScaler: weights, moments
+        and step count stay as they were), the others need `skip` on the host."""
+        if skip is not None and not self.fused:
+            if skip.item():
+                return
+            skip = None
         for optimizer in self.optimizers:
+            if skip is not None:
+                optimizer.found_inf, optimizer.grad_scale = skip.float(), None
             optimizer.step()
 
     def state_dict(self) -> dict:

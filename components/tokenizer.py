@@ -240,16 +240,17 @@ def _is_hf_json(path: Path, first_line: bytes) -> bool:
     return isinstance(content, dict) and "model" in content
 
 
-def tokenizer_format(path: str | Path) -> type[Tokenizer]:
-    """The class that reads the tokenizer at `path`, from the file (see `build_tokenizer`)."""
+def tokenizer_format(path: str | Path, setting: str = "model.tokenizer_path") -> type[Tokenizer]:
+    """The class that reads the tokenizer at `path`, from the file (see `build_tokenizer`); `setting`
+    names the option that gave the path, in errors."""
     path = Path(path)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder without a tokenizer.json; point model.tokenizer_path "
+            raise FileNotFoundError(f"{setting}: {path} is a folder without a tokenizer.json; point {setting} "
                                     f"at the tokenizer file itself (a sentencepiece or tiktoken tokenizer.model)")
         return HFTokenizer
     if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer file at {path}")
+        raise FileNotFoundError(f"{setting}: no tokenizer file at {path}")
     if path.suffix == ".json":
         return HFTokenizer
     with path.open("rb") as f:
@@ -270,11 +271,12 @@ def tokenizer_files(path: str | Path) -> list[Path]:
     return [Path(path)]
 
 
-def build_tokenizer(path: str | Path) -> Tokenizer:
+def build_tokenizer(path: str | Path, setting: str = "model.tokenizer_path") -> Tokenizer:
     """The tokenizer stored at `path`: a Hugging Face tokenizer (a *.json file, a JSON file with a
     "model" key, or a folder holding tokenizer.json), a tiktoken BPE-ranks file (first line
-    "<base64> <rank>") or, failing those, a sentencepiece model."""
-    kind = tokenizer_format(path)
+    "<base64> <rank>") or, failing those, a sentencepiece model. `setting` names the option that gave
+    the path, in errors."""
+    kind = tokenizer_format(path, setting)
     if kind is not SentencePieceTokenizer:
         return kind(path)
     try:

@@ -283,7 +283,7 @@ def test_sweep_runs_then_skips_completed_runs_then_resumes_an_interrupted_one(tm
     assert "skip    lr=0.001 (done)" in result.stdout and "resume  lr=0.003 from checkpoint step-3" in result.stdout
     assert (first / "metrics.jsonl").stat().st_mtime_ns == mtimes[first]
     steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 4, 5, 6]
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 4 of the interrupted attempt was dropped: the resumed run logged it again
     assert "resumed from" in (second / "stderr.log").read_text()
     state = json.loads((second / "sweep_run.json").read_text())
     assert state["status"] == "done" and [a["action"] for a in state["attempts"]] == ["start", "resume"]

@@ -24,7 +24,8 @@ def test_quick_start_run_trains_and_writes_everything(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = read_metrics(dump)
     assert [m["step"] for m in metrics] == list(range(1, 61))
-    assert set(metrics[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib"}
+    assert set(metrics[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib",
+                               "skipped_steps", "nonfinite_steps", "spike_steps"}
     first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
     assert first > 8.0 and last < first - 2.5, (first, last)
     assert all(m["tokens_per_second"] > 0 and m["memory_gib"] > 0 for m in metrics)

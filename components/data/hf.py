@@ -35,7 +35,7 @@ def _builder(path: Path) -> str | None:
     return BUILDERS.get(suffixes[-1]) if suffixes else None
 
 
-def _data_files(path: str) -> list[Path]:
+def _data_files(path: str, setting: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and _builder(f))
@@ -44,10 +44,10 @@ def _data_files(path: str) -> list[Path]:
     else:
         files = sorted(Path(f) for f in glob.glob(path) if Path(f).is_file())
     if not files:
-        raise FileNotFoundError(f"training.dataset_path: no data files at {path!r} (JSON/JSONL, text or Parquet)")
+        raise FileNotFoundError(f"{setting}: no data files at {path!r} (JSON/JSONL, text or Parquet)")
     kinds = {_builder(f) for f in files}
     if None in kinds or len(kinds) > 1:
-        raise ValueError(f"training.dataset_path {path!r}: mixes or has unknown formats ({', '.join(sorted(str(f) for f in files[:5]))})")
+        raise ValueError(f"{setting} {path!r}: mixes or has unknown formats ({', '.join(sorted(str(f) for f in files[:5]))})")
     return files
 
 
@@ -68,11 +68,12 @@ def _first_bad_json_line(files: list[Path]) -> str | None:
     return None
 
 
-def load_documents(paths: list[str], text_field: str):
+def load_documents(paths: list[str], text_field: str, setting: str = "training.dataset_path"):
     """A map-style Hugging Face dataset of the documents (a `text_field` column) of all `paths`, in order.
 
     Each path is a directory written by `datasets.save_to_disk`, a file, a glob or a directory of
-    JSON/JSONL (one object per line), text (one document per file) or Parquet files."""
+    JSON/JSONL (one object per line), text (one document per file) or Parquet files. `setting` names
+    the option that gave the paths, in errors."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach for the hub
     import datasets
 
@@ -81,18 +82,18 @@ def load_documents(paths: list[str], text_field: str):
         if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():
             docs = datasets.load_from_disk(path)
         else:
-            files = _data_files(path)
+            files = _data_files(path, setting)
             builder = _builder(files[0])
             kwargs = {"sample_by": "document"} if builder == "text" else {}
             try:
                 docs = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
             except Exception as e:
                 where = _first_bad_json_line(files) if builder == "json" else None
-                raise ValueError(f"cannot read training data {path!r}: {where or e}") from e
+                raise ValueError(f"{setting}: cannot read {path!r}: {where or e}") from e
         if text_field not in docs.column_names:
-            raise ValueError(f"training data {path!r} has no field {text_field!r} (columns: {', '.join(docs.column_names)}); set training.dataset_text_field")
+            raise ValueError(f"{setting} {path!r} has no field {text_field!r} (columns: {', '.join(docs.column_names)}); set training.dataset_text_field")
         if len(docs) == 0:
-            raise ValueError(f"training data {path!r} holds no documents")
+            raise ValueError(f"{setting} {path!r} holds no documents")
         parts.append(docs.select_columns([text_field]))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
@@ -137,8 +138,8 @@ class PackedDocuments(IterableDataset):
 
 
 def build_hf_dataloader(paths: list[str], text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                        dp_rank: int, dp_size: int) -> StatefulDataLoader:
+                        dp_rank: int, dp_size: int, setting: str = "training.dataset_path") -> StatefulDataLoader:
     """Batches of shape (local_batch_size, seq_len + 1); `state_dict()` goes into checkpoints."""
-    docs = load_documents(paths, text_field)
+    docs = load_documents(paths, text_field, setting)
     dataset = PackedDocuments(docs, text_field, tokenizer, seq_len, dp_rank, dp_size)
     return StatefulDataLoader(dataset, batch_size=local_batch_size, num_workers=0)

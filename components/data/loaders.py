@@ -29,5 +29,6 @@ def build_validation_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: i
             [path], "validation", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, num_workers=0, shuffle=False,
         )
-    return build_hf_dataloader([path], t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_size)
+    return build_hf_dataloader([path], t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_size,
+                               "validation.dataset_path")
 

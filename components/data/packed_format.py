@@ -109,12 +109,16 @@ def read_manifest(folder: str | Path) -> dict:
     tokens, shards [{name, documents, tokens, sha256 {bin, idx}}]}}, plus what the writer recorded
     about its inputs (counts, skipped lines)."""
     path = Path(folder) / "manifest.json"
+    if not Path(folder).exists():
+        raise FileNotFoundError(f"{folder} does not exist")
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not a packed dataset: no manifest.json (write one with python -m components.data.preprocess)")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # invalid JSON or not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e}); the dataset is damaged, preprocess it again") from e
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: not a JSON object; the dataset is damaged, preprocess it again")
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}; this ingot reads "
@@ -125,11 +129,12 @@ def read_manifest(folder: str | Path) -> dict:
 
 def check_tokenizer(folder: str | Path, manifest: dict, tokenizer_path: str | Path) -> None:
     """Refuse data tokenized with another tokenizer than the configured one."""
-    expected = manifest["tokenizer"]["fingerprint"]
-    if tokenizer_fingerprint(tokenizer_path) != expected:
+    expected, actual = manifest["tokenizer"]["fingerprint"], tokenizer_fingerprint(tokenizer_path)
+    if actual != expected:
         raise ValueError(
-            f"{folder} was tokenized with {manifest['tokenizer']['path']} ({expected}), which differs from "
-            f"model.tokenizer_path {tokenizer_path}; preprocess the data again or set the matching tokenizer"
+            f"{folder} was tokenized with {manifest['tokenizer']['path']} ({expected}), but model.tokenizer_path "
+            f"is {tokenizer_path} ({actual}); re-run python -m components.data.preprocess with --tokenizer "
+            f"{tokenizer_path}, or set model.tokenizer_path to the data's tokenizer"
         )
 
 
@@ -145,10 +150,10 @@ class PackedSplit:
         self.tokens, self.offsets, self.starts = [], [], [0]
         for shard in manifest["splits"][split]["shards"]:
             bin_path, idx_path = self.folder / f"{shard['name']}.bin", self.folder / f"{shard['name']}.idx"
-            expected = shard["tokens"] * dtype.itemsize
-            if not bin_path.is_file() or bin_path.stat().st_size != expected:
-                size = bin_path.stat().st_size if bin_path.is_file() else "missing"
-                raise ValueError(f"{bin_path}: expected {expected} bytes, found {size}; the dataset is damaged")
+            for path, expected in ((bin_path, shard["tokens"] * dtype.itemsize), (idx_path, (shard["documents"] + 1) * 8)):
+                if not path.is_file() or path.stat().st_size != expected:
+                    found = f"{path.stat().st_size} bytes" if path.is_file() else "no file"
+                    raise ValueError(f"{path}: expected {expected} bytes, found {found}; the dataset is damaged, preprocess it again")
             self.tokens.append(np.memmap(bin_path, dtype=dtype, mode="r"))
             self.offsets.append(np.memmap(idx_path, dtype="<i8", mode="r"))
             self.starts.append(self.starts[-1] + shard["tokens"])

@@ -651,7 +651,9 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | No
     from components.tokenizer import build_tokenizer
 
     try:
-        tok = build_tokenizer(tokenizer)
+        tok = build_tokenizer(tokenizer, setting="--tokenizer")
+    except FileNotFoundError as e:  # its message names --tokenizer and the path
+        raise UsageError(str(e)) from e
     except (OSError, ValueError) as e:
         raise UsageError(f"--tokenizer {tokenizer}: {e}") from e
     dtype = token_dtype(tok.vocab_size)

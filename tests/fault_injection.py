@@ -1,0 +1,100 @@
+"""train.py with a fault injected, for tests/test_reliability.py. Run it like train.py (directly or
+under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
+
+  kill-step:N      SIGKILL to the whole process group during step N, before its optimizer step
+  kill-write:N     ... once this rank has written its files of the checkpoint of step N (for an
+                   async save, in the background thread), before the save is committed
+  kill-commit:N    ... once every rank's files and .metadata of step N are written, just before
+                   integrity.json and the rename that commit the checkpoint
+  hang-step:N:R    rank R stops responding (sleeps) during step N
+
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.distributed as dist  # noqa: E402
+
+import train  # noqa: E402
+from components import checkpoint_integrity  # noqa: E402
+from components.optim import Optimizers  # noqa: E402
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+        except OSError:
+            continue
+        children.setdefault(int(rest.rsplit(") ", 1)[1].split()[1]), []).append(int(pid))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(root: int, spare: int | None = None) -> None:
+    """SIGKILL `root` and all its descendants (but `spare`)."""
+    for pid in [root, *descendants(root)]:
+        if pid != spare:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def kill_everything() -> None:
+    """SIGKILL the run's whole process tree at once: under torchrun the agent and every worker
+    (torchrun starts each in a session of its own) with their data loader workers."""
+    kill_tree(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), spare=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject(kind: str, step: int, rank: int | None) -> None:
+    if kind in ("kill-step", "hang-step"):
+        original_step, calls = Optimizers.step, [0]
+
+        def step_with_fault(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == step and (rank is None or dist.get_rank() == rank):
+                if kind == "kill-step":
+                    kill_everything()
+                time.sleep(3600)
+            return original_step(self, *args, **kwargs)
+
+        Optimizers.step = step_with_fault
+    elif kind == "kill-write":
+        original_write = checkpoint_integrity.CommittingWriter.write_data
+
+        def write_then_kill(self, plan, planner):
+            result = original_write(self, plan, planner)
+            if self.final.name == f"step-{step}":
+                kill_everything()
+            return result
+
+        checkpoint_integrity.CommittingWriter.write_data = write_then_kill
+    elif kind == "kill-commit":
+        original_json = checkpoint_integrity._write_json_durably
+
+        def kill_before_commit(path, obj):
+            if path.name == checkpoint_integrity.INTEGRITY_FILE and path.parent.name == f"step-{step}.partial":
+                kill_everything()
+            original_json(path, obj)
+
+        checkpoint_integrity._write_json_durably = kill_before_commit
+    else:
+        raise SystemExit(f"unknown INGOT_FAULT kind {kind!r}")
+
+
+if __name__ == "__main__":
+    kind, step, *rank = os.environ["INGOT_FAULT"].split(":")
+    inject(kind, int(step), int(rank[0]) if rank else None)
+    sys.exit(train.main(sys.argv[1:]))

@@ -1,0 +1,297 @@
+"""Reliability: kill -9 at any point, preemption signals, damaged checkpoints, non-finite values and
+loss spikes. A run interrupted in any of these ways and resumed must give the loss curve of the run
+that was never interrupted, bit for bit (CPU, fp32)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, losses, read_metrics
+from fault_injection import kill_tree
+
+from components.checkpoint_integrity import check_checkpoint
+from components.config import Training
+from components.optim import Optimizers
+from components.config import Optimizer as OptimizerConfig
+from components.step_guard import StepGuard
+
+STEPS = 12
+RUN = [*TINY, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--checkpoint.enable", "true",
+       "--checkpoint.interval", "3", "--training.dataloader_workers", "0"]
+
+
+def launch(nproc: int, args: list[str], dump: Path, fault: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """train.py (or tests/fault_injection.py with INGOT_FAULT=fault) on nproc ranks."""
+    script = REPO / ("tests/fault_injection.py" if fault else "train.py")
+    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **({"INGOT_FAULT": fault} if fault else {}))
+    proc = subprocess.Popen([*runner, str(script), *args, "--job.dump_folder", str(dump)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def steps_logged(dump: Path) -> list[int]:
+    return [m["step"] for m in read_metrics(dump) if "loss" in m]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs (1 and 2 processes, sync and async checkpointing alike), by process count."""
+    runs = {}
+    for nproc in (1, 2):
+        dump = tmp_path_factory.mktemp(f"reference{nproc}")
+        result = launch(nproc, RUN, dump)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[nproc] = losses(dump)
+        assert sorted(runs[nproc]) == list(range(1, STEPS + 1))
+    return runs
+
+
+# (processes, fault, extra arguments, the checkpoint the resume must start from)
+KILLS = {
+    "1proc-mid-step-5": (1, "kill-step:5", [], "step-3"),
+    "1proc-async-write-6": (1, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
+    "1proc-async-commit-9-keep1": (1, "kill-commit:9", ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "1"], "step-6"),
+    "1proc-sync-write-3": (1, "kill-write:3", [], None),
+    "2proc-async-write-6": (2, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
+    "2proc-mid-step-8": (2, "kill-step:8", [], "step-6"),
+    "2proc-commit-6": (2, "kill-commit:6", [], "step-3"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KILLS)
+def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_path):
+    nproc, fault, extra, resumed_from = KILLS[name]
+    killed = launch(nproc, [*RUN, *extra], tmp_path, fault=fault)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
+    folders = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    fault_step = int(fault.split(":")[1])
+    if fault.startswith(("kill-write", "kill-commit")):  # the interrupted save left a folder never read
+        assert f"step-{fault_step}.partial" in folders and f"step-{fault_step}" not in folders, folders
+
+    resumed = launch(nproc, [*RUN, *extra], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    if resumed_from:
+        assert f"resumed from {tmp_path / 'checkpoint' / resumed_from} " in log, log[-3000:]
+    else:
+        assert "resumed from" not in log
+    assert not any(p.name.endswith(".partial") for p in (tmp_path / "checkpoint").iterdir())
+    assert steps_logged(tmp_path) == list(range(1, STEPS + 1))  # each step once: the rerun steps replace the lost ones
+    assert losses(tmp_path) == references[nproc]  # bitwise
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.slow
+def test_a_truncated_newest_checkpoint_is_named_and_the_previous_one_used(references, tmp_path):
+    killed = launch(1, RUN, tmp_path, fault="kill-step:8")
+    assert killed.returncode == -signal.SIGKILL
+    truncate(tmp_path / "checkpoint" / "step-6" / "__0_0.distcp")
+    resumed = launch(1, RUN, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint {tmp_path / 'checkpoint' / 'step-6'} is damaged (__0_0.distcp is " in resumed.stderr
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-3'} " in resumed.stderr
+    assert (tmp_path / "checkpoint" / "step-6.damaged" / "__0_0.distcp").is_file()  # kept for inspection
+    assert losses(tmp_path) == references[1]
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path, train_in_process, capsys):
+    args = [*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 0
+    (tmp_path / "checkpoint" / "step-3" / ".metadata").write_bytes(b"garbage")
+    assert train_in_process([*args, "--training.steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no intact checkpoint in {tmp_path / 'checkpoint'} (step-3: .metadata cannot be read" in err
+    assert not (tmp_path / "metrics.jsonl").read_text().count('"step": 4')  # nothing trained from scratch
+
+
+def test_integrity_check_finds_each_kind_of_damage(tmp_path, train_in_process):
+    assert train_in_process([*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]) == 0
+    ckpt = tmp_path / "checkpoint" / "step-3"
+    data = ckpt / "__0_0.distcp"
+    assert check_checkpoint(ckpt, verify_checksums=True) is None
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0xFF  # one flipped bit-pattern, same size
+    data.write_bytes(content)
+    assert check_checkpoint(ckpt, verify_checksums=False) is None  # sizes alone cannot see it
+    assert check_checkpoint(ckpt, verify_checksums=True) == "__0_0.distcp does not match its CRC32"
+    truncate(data)
+    assert check_checkpoint(ckpt, verify_checksums=False).startswith("__0_0.distcp is ")
+    data.unlink()
+    assert check_checkpoint(ckpt, verify_checksums=False) == "__0_0.distcp is missing"
+    (ckpt / "integrity.json").unlink()  # as written by another tool: .metadata's entries are checked
+    assert check_checkpoint(ckpt, verify_checksums=True) == "__0_0.distcp is missing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_saves_a_checkpoint_and_exits_75(signum, references, tmp_path):
+    args = [*RUN, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:  # signal once step 4 is logged: somewhere inside step 5
+        if " step      4 " in line:
+            proc.send_signal(signum)
+            break
+    out = line + proc.stdout.read()
+    assert proc.wait(timeout=120) == 75, out[-3000:]
+    record = json.loads((tmp_path / "preempted.json").read_text())
+    assert record["signal"] == signal.Signals(signum).name and record["step"] >= 4
+    assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file()
+    assert "exiting with status 75" in out
+    resumed = launch(1, RUN, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / "preempted.json").exists()
+    assert losses(tmp_path) == references[1]
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_reaches_every_rank_which_save_together(references, tmp_path):
+    """SLURM signals the launcher; torchrun forwards SIGTERM to its workers and waits for them."""
+    args = [*RUN, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if " step      4 " in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = line + proc.stdout.read()
+    proc.wait(timeout=120)
+    record = json.loads((tmp_path / "preempted.json").read_text())
+    assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file(), out[-3000:]
+    resumed = launch(2, RUN, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path) == references[2]
+
+
+def poison_loss_at(monkeypatch, steps: set[int], factor: float = float("nan")):
+    """train.cross_entropy_loss multiplied by `factor` at the given steps (one call per step)."""
+    import train
+
+    original, calls = train.cross_entropy_loss, [0]
+
+    def poisoned(logits, labels):
+        calls[0] += 1
+        loss = original(logits, labels)
+        return loss * factor if calls[0] in steps else loss
+
+    monkeypatch.setattr(train, "cross_entropy_loss", poisoned)
+
+
+def test_nan_with_policy_stop_ends_the_run_naming_the_step(tmp_path, train_in_process, monkeypatch, capsys):
+    poison_loss_at(monkeypatch, {5})
+    args = [*RUN, "--metrics.log_freq", "4", "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 3
+    err = capsys.readouterr().err
+    assert "training stopped: non-finite loss or gradient norm at step 5;" in err
+    # Stopped at the first sync after step 5: before saving the checkpoint of step 6.
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-3"]
+
+
+def test_nan_with_policy_skip_leaves_the_weights_untouched_and_counts(tmp_path, train_in_process, monkeypatch):
+    poison_loss_at(monkeypatch, {5, 7})
+    args = [*RUN, "--training.on_nonfinite", "skip", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 0
+    records = {m["step"]: m for m in read_metrics(tmp_path) if "loss" in m}
+    assert records[4]["skipped_steps"] == 0 and records[5]["nonfinite_steps"] == 1 and records[12]["nonfinite_steps"] == 2
+    assert all(torch.isfinite(torch.tensor(records[s]["loss"])) for s in (6, 8, 12))
+
+
+def test_max_skipped_steps_stops_the_run(tmp_path, train_in_process, monkeypatch, capsys):
+    poison_loss_at(monkeypatch, {2, 3})
+    args = [*RUN, "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "1", "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 3
+    assert "training stopped: 2 optimizer steps skipped (2 non-finite, 0 loss spikes), more than training.max_skipped_steps = 1" in capsys.readouterr().err
+
+
+def test_spike_guard_skips_a_loss_spike(tmp_path, train_in_process, monkeypatch):
+    poison_loss_at(monkeypatch, {9}, factor=50.0)  # gradients 50x too: a spike in both statistics
+    args = [*RUN, "--training.spike_guard", "true", "--training.spike_window", "4", "--checkpoint.enable", "false",
+            "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 0
+    records = {m["step"]: m for m in read_metrics(tmp_path) if "loss" in m}
+    assert records[8]["spike_steps"] == 0 and records[9]["spike_steps"] == 1 and records[12]["skipped_steps"] == 1
+
+
+def guard(**overrides) -> StepGuard:
+    return StepGuard(Training(**({"spike_guard": True, "spike_window": 8} | overrides)), torch.device("cpu"))
+
+
+def test_step_guard_statistics_and_state():
+    g = guard()
+    decide = lambda step, loss, norm: bool(g.decide(step, torch.tensor(loss), torch.tensor(norm)))  # noqa: E731
+    for step in range(1, 9):  # the window fills: no spike judged yet, even for large values
+        assert not decide(step, 3.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 2))
+    assert decide(9, 3.5, 1.0)  # loss far above mean + 6 sigma
+    assert decide(10, 3.0, 2.0)  # gradient norm likewise
+    assert not decide(11, 3.01, 1.01)
+    assert decide(12, float("nan"), 1.0) and decide(13, 3.0, float("inf"))
+    assert (int(g.spikes), int(g.nonfinite), int(g.first_nonfinite_step), int(g.last_skipped_step)) == (2, 2, 12, 13)
+    copy = guard()
+    copy.load_state_dict(g.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), g.state_dict().values()))
+
+
+def test_step_guard_decides_without_reading_the_device():
+    """FakeTensorMode has no data: any host read (.item(), bool()) of a tensor would raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        g = guard()
+        for step in range(1, 12):
+            g.decide(step, torch.tensor(3.0), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_a_skipped_optimizer_step_changes_nothing(implementation):
+    model = torch.nn.Linear(8, 8)
+    optimizers = Optimizers([model], OptimizerConfig(implementation=implementation))
+
+    def step(skip: bool):
+        optimizers.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizers.step(skip=torch.tensor(skip))
+
+    step(False)
+    before = ([p.clone() for p in model.parameters()], {k: v.clone() for k, v in optimizers.optimizers[0].state[model.weight].items()})
+    step(True)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+    assert all(torch.equal(v, optimizers.optimizers[0].state[model.weight][k]) for k, v in before[1].items())
+    step(False)
+    assert not torch.equal(before[0][0], model.weight)
+
+
+def test_a_checkpoint_of_another_model_shape_is_named_by_parameter(tmp_path, train_in_process, capsys):
+    assert train_in_process([*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]) == 0
+    assert train_in_process([*RUN, "--model.dim", "128", "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: checkpoint {tmp_path / 'checkpoint' / 'step-3'} does not fit this model: model weight "
+            "tok_embeddings.weight has shape (") in err
+    assert "in this model (check model.flavor and the model.* overrides)" in err
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_run_within_the_collective_timeout(tmp_path):
+    start = time.monotonic()
+    result = launch(2, [*RUN, "--comm.train_timeout_seconds", "5"], tmp_path, fault="hang-step:4:1", timeout=240)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "timed out" in (result.stdout + result.stderr).lower() or "timeout" in (result.stdout + result.stderr).lower()
