@@ -20,6 +20,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
+from components.durable import fsync_path, write_json_atomically
+
 INTEGRITY_FILE = "integrity.json"
 PARTIAL_SUFFIX = ".partial"
 _CHUNK = 16 * 2**20
@@ -31,24 +33,6 @@ def file_crc32(path: Path) -> int:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def _write_json_durably(path: Path, obj) -> None:
-    """Write, fsync, then rename into place: a reader sees the whole file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CommittingWriter(FileSystemWriter):
@@ -64,7 +48,7 @@ class CommittingWriter(FileSystemWriter):
         files = sorted({result.storage_data.relative_path for result in future.wait()})
         record = {name: self._describe(Path(self.path) / name) for name in files}
         # plan.storage_data.prefix is this rank's file prefix, "__<rank>_"
-        _write_json_durably(Path(self.path) / f"{plan.storage_data.prefix}{INTEGRITY_FILE}", record)
+        write_json_atomically(Path(self.path) / f"{plan.storage_data.prefix}{INTEGRITY_FILE}", record)
         return future
 
     def _describe(self, path: Path) -> dict:
@@ -81,11 +65,11 @@ class CommittingWriter(FileSystemWriter):
             files.update(json.loads(part.read_text()))
             part.unlink()
         files[".metadata"] = self._describe(folder / ".metadata")
-        _write_json_durably(folder / INTEGRITY_FILE, {"format": 1, "files": files})
+        write_json_atomically(folder / INTEGRITY_FILE, {"format": 1, "files": files})
         if self.final.exists():  # e.g. a seed checkpoint written again: keep the old one aside
             self.final.rename(self.final.with_name(f"{self.final.name}.replaced-{os.getpid()}"))
         folder.rename(self.final)
-        _fsync_dir(self.final.parent)
+        fsync_path(self.final.parent)
 
 
 def check_checkpoint(path: Path, verify_checksums: bool, files_to_checksum=None) -> str | None:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from components.durable import write_json_atomically
 from components.tokenizer import tokenizer_files
 
 FORMAT_NAME = "ingot-packed"
@@ -93,9 +93,7 @@ class ShardWriter:
 def write_manifest(folder: str | Path, manifest: dict) -> Path:
     """Write manifest.json atomically (a reader never sees half of it)."""
     path = Path(folder) / "manifest.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **manifest}, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomically(path, {"format": FORMAT_NAME, "version": FORMAT_VERSION, **manifest})
     return path
 
 

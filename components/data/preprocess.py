@@ -79,6 +79,7 @@ from pathlib import Path
 import numpy as np
 
 from components.data.packed_format import ShardWriter, token_dtype, tokenizer_fingerprint, write_manifest
+from components.durable import fsync_path
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -541,14 +542,6 @@ def _prepare_output(folder: Path) -> bool:
     return bool(entries)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------
 # Progress
 
@@ -715,7 +708,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | No
         splits[split] = {**split_counts[split], "shards": shards}
         for shard in shards:
             for ext in ("bin", "idx"):
-                _fsync(folder / f"{shard['name']}.{ext}")
+                fsync_path(folder / f"{shard['name']}.{ext}")
     skipped = sum(reasons.values())
     manifest = {
         "dtype": dtype.name,
@@ -739,7 +732,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | No
         },
     }
     write_manifest(folder, manifest)
-    _fsync(folder)
+    fsync_path(folder)
     seconds = time.monotonic() - start
 
     result = Result(EXIT_OK, manifest, seconds, input_bytes, workers, worker_cpu)
