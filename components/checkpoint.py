@@ -101,9 +101,10 @@ def intact(path: Path, verify_checksums: bool) -> str | None:
     return problems[0] if problems else None
 
 
-def mismatch(path: Path, weights: dict[str, torch.Tensor]) -> str | None:
-    """The first of this rank's model weights whose global shape differs from the checkpoint's, or
-    that the checkpoint lacks (a model flavor or dimension override that differs)."""
+def mismatch(path: Path, weights: dict[str, torch.Tensor], model_names: set[str]) -> str | None:
+    """The first difference between the model and the checkpoint's weights: one of this rank's
+    `weights` whose global shape differs or that the checkpoint lacks, or a checkpoint weight that
+    is none of `model_names` (the whole model's, all ranks together), e.g. a layer more."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, tensor in weights.items():
         entry = saved.get(f"model.{name}")
@@ -111,6 +112,9 @@ def mismatch(path: Path, weights: dict[str, torch.Tensor]) -> str | None:
             return f"model weight {name} is not in the checkpoint"
         if tuple(entry.size) != tuple(tensor.shape):
             return f"model weight {name} has shape {tuple(entry.size)} in the checkpoint and {tuple(tensor.shape)} in this model"
+    extra = sorted(key.removeprefix("model.") for key in saved if key.startswith("model.") and key.removeprefix("model.") not in model_names)
+    if extra:
+        return f"the checkpoint has model weight {extra[0]}, which this model lacks"
     return None
 
 
@@ -194,7 +198,10 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _check_fits(self, path: Path) -> None:
-        problems = agreed_problems(mismatch(path, self.states["model"].state_dict()))
+        weights = self.states["model"].state_dict()
+        names = [None] * dist.get_world_size()  # under PP each rank holds some of the weights
+        dist.all_gather_object(names, list(weights))
+        problems = agreed_problems(mismatch(path, weights, {name for part in names for name in part}))
         if problems:
             raise ValueError(f"checkpoint {path} does not fit this model: {problems[0]} (check model.flavor and the model.* overrides)")
 

@@ -295,3 +295,10 @@ def test_a_hung_rank_ends_the_run_within_the_collective_timeout(tmp_path):
     assert result.returncode != 0
     assert time.monotonic() - start < 120
     assert "timed out" in (result.stdout + result.stderr).lower() or "timeout" in (result.stdout + result.stderr).lower()
+
+
+def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, capsys):
+    """A shallower model would load the first layers without complaint: refuse that too."""
+    assert train_in_process([*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]) == 0
+    assert train_in_process([*RUN, "--model.n_layers", "1", "--job.dump_folder", str(tmp_path)]) == 2
+    assert "does not fit this model: the checkpoint has model weight layers.1.attention" in capsys.readouterr().err
