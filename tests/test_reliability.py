@@ -4,6 +4,7 @@ that was never interrupted, bit for bit (CPU, fp32)."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -92,6 +93,28 @@ def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "checkpoint").iterdir())
     assert steps_logged(tmp_path) == list(range(1, STEPS + 1))  # each step once: the rerun steps replace the lost ones
     assert losses(tmp_path) == references[nproc]  # bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, seed", [(1, 0), (2, 1)])
+def test_kill_9_from_outside_at_a_random_step(nproc, seed, references, tmp_path):
+    """kill -9 of the whole process tree from outside as soon as a randomly drawn step is logged:
+    wherever that lands (the next step, a background save every 2 steps, logging), the resumed run
+    gives the uninterrupted curve."""
+    kill_after = random.Random(seed).randint(2, STEPS - 2)
+    args = [*RUN, "--checkpoint.async_mode", "async", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.Popen([*runner, "train.py", *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if f" step {kill_after:>6} " in line:
+            kill_tree(proc.pid)
+            break
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    resumed = launch(nproc, args[:-2], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert steps_logged(tmp_path) == list(range(1, STEPS + 1))
+    assert losses(tmp_path) == references[nproc]
 
 
 def truncate(path: Path) -> None:
