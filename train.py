@@ -136,6 +136,8 @@ def train(config: Config, signals: StopSignals) -> int:
     optimizers = Optimizers(model_parts, config.optimizer)
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
     dataloader = build_dataloader(config, tokenizer, dp_rank, dp_size)
+    if config.validation.enable:  # a bad validation.dataset_path fails now, not at the first validation
+        build_validation_dataloader(config, tokenizer, dp_rank, dp_size)
     train_state = TrainState()
     step_guard = StepGuard(training, device)
     checkpointer = CheckpointManager(

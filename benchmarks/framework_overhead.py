@@ -5,7 +5,7 @@
 Both run the debug model (train_configs/debug_model.toml) for the same number of steps in this
 process on one rank; the first `--warmup` steps are left out of both rates. The bare loop is what
 ingot does minus everything around the math: random token batches prepared up front, AdamW
-(foreach), a constant lr, gradient clipping, no data loading, logging, metrics or checkpoints.
+(the configured implementation, fused by default), a constant lr, gradient clipping, no data loading, logging, metrics or checkpoints.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def bare_tokens_per_second(steps: int, warmup: int, extra: list[str]) -> float:
     model = Transformer(args)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, betas=(config.optimizer.beta1, config.optimizer.beta2),
-                                  weight_decay=config.optimizer.weight_decay, foreach=True)
+                                  weight_decay=config.optimizer.weight_decay,
+                                  fused=config.optimizer.implementation == "fused", foreach=config.optimizer.implementation == "foreach")
     batches = torch.randint(0, args.vocab_size, (steps, training.local_batch_size, training.seq_len + 1))
     times = []
     for batch in batches:

@@ -171,3 +171,12 @@ def test_truncated_shard(packed, suffix, itemsize):
         load_packed([packed])
     assert str(error.value) == (f"training.dataset_path: {shard}: expected {size} bytes, found {size - itemsize} bytes; "
                                 "the dataset is damaged, preprocess it again")
+
+
+def test_a_missing_validation_path_fails_at_start_up(tmp_path, train_in_process, capsys):
+    args = ["--job.config_file", "debug_model.toml", "--training.steps", "50", "--validation.enable", "true",
+            "--validation.freq", "50", "--validation.dataset_path", str(tmp_path / "nope.jsonl"),
+            "--job.dump_folder", str(tmp_path)]
+    assert train_in_process(args) == 2
+    assert f"validation.dataset_path: no data files at '{tmp_path / 'nope.jsonl'}'" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
