@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_integrity import PARTIAL_SUFFIX, CommittingWriter, check_checkpoint, listed_files
+from components.checkpoint_integrity import PARTIAL_SUFFIX, CommittingWriter, check_checkpoint, listed_files, unused_name
 from components.config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -302,12 +302,3 @@ class CheckpointManager:
         self.wait()
         if self.mode == "async_with_pinned_mem":
             self.stager.close()
-
-
-def unused_name(path: Path, suffix: str) -> Path:
-    """path + suffix, or path + suffix + "-2", "-3"... if taken."""
-    candidate, n = path.with_name(path.name + suffix), 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}{suffix}-{n}")
-    return candidate

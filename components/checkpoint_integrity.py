@@ -13,7 +13,6 @@ the figures in a small `__<rank>_integrity.json`; the coordinator merges those i
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import zlib
 from pathlib import Path
@@ -33,6 +32,15 @@ def file_crc32(path: Path) -> int:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def unused_name(path: Path, suffix: str) -> Path:
+    """path + suffix, or path + suffix + "-2", "-3"... if taken."""
+    candidate, n = path.with_name(path.name + suffix), 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate
 
 
 class CommittingWriter(FileSystemWriter):
@@ -67,7 +75,7 @@ class CommittingWriter(FileSystemWriter):
         files[".metadata"] = self._describe(folder / ".metadata")
         write_json_atomically(folder / INTEGRITY_FILE, {"format": 1, "files": files})
         if self.final.exists():  # e.g. a seed checkpoint written again: keep the old one aside
-            self.final.rename(self.final.with_name(f"{self.final.name}.replaced-{os.getpid()}"))
+            self.final.rename(unused_name(self.final, ".replaced"))
         folder.rename(self.final)
         fsync_path(self.final.parent)
 
