@@ -82,14 +82,14 @@ def inject(kind: str, step: int, rank: int | None) -> None:
 
         checkpoint_integrity.CommittingWriter.write_data = write_then_kill
     elif kind == "kill-commit":
-        original_json = checkpoint_integrity._write_json_durably
+        original_json = checkpoint_integrity.write_json_atomically
 
         def kill_before_commit(path, obj):
             if path.name == checkpoint_integrity.INTEGRITY_FILE and path.parent.name == f"step-{step}.partial":
                 kill_everything()
             original_json(path, obj)
 
-        checkpoint_integrity._write_json_durably = kill_before_commit
+        checkpoint_integrity.write_json_atomically = kill_before_commit
     else:
         raise SystemExit(f"unknown INGOT_FAULT kind {kind!r}")
 
