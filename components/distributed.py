@@ -20,7 +20,7 @@ def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
     """Join the process group torchrun describes (or a one-process group without torchrun).
 
     CUDA runs get NCCL for GPU tensors and gloo for CPU tensors (async checkpointing and the
-    preemption watch need the latter); CPU runs use gloo. On CUDA the NCCL flight recorder keeps
+    agreement on stop signals use the latter); CPU runs use gloo. On CUDA the NCCL flight recorder keeps
     the last comm.trace_buf_size collectives of each rank and dumps them when a collective times
     out (variables already set in the environment win)."""
     timeout = timedelta(seconds=comm.init_timeout_seconds)
