@@ -214,8 +214,13 @@ class CheckpointManager:
                 )
             return self._load_weights(path)
         self._check_fits(path)
+        states = self.states
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if not any(key.startswith("step_guard.") for key in saved):
+            logger.warning(f"{path} predates the step guard's state: its counters and spike window start empty")
+            states = {name: state for name, state in self.states.items() if name != "step_guard"}
         start = time.perf_counter()
-        dcp.load(self.states, checkpoint_id=str(path))
+        dcp.load(states, checkpoint_id=str(path))
         logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
         self.last_saved = step
         return self.states["train_state"].step

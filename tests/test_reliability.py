@@ -325,3 +325,29 @@ def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, ca
     assert train_in_process([*RUN, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]) == 0
     assert train_in_process([*RUN, "--model.n_layers", "1", "--job.dump_folder", str(tmp_path)]) == 2
     assert "does not fit this model: the checkpoint has model weight layers.1.attention" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_the_step_guard_still_resumes(tmp_path, train_in_process, monkeypatch, capsys):
+    """A checkpoint without step_guard state (written before it existed, here rewritten without it
+    and without integrity.json, as another tool would) resumes, with a warning, on the same curve."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    from components.preemption import StopSignals
+
+    args = [*RUN, "--job.dump_folder", str(tmp_path)]
+    calls = iter(range(1, STEPS + 1))
+    with monkeypatch.context() as patch:  # a stop signal during step 3: checkpoint step-3 and exit
+        patch.setattr(StopSignals, "agreed", lambda self, group: next(calls) == 3)
+        assert train_in_process(args) == 75
+    folder = tmp_path / "checkpoint"
+    dcp_to_torch_save(folder / "step-3", tmp_path / "full.pt")
+    state = torch.load(tmp_path / "full.pt", weights_only=False)
+    del state["step_guard"]
+    torch.save(state, tmp_path / "old.pt")
+    (folder / "step-3").rename(tmp_path / "new-step-3")
+    torch_save_to_dcp(tmp_path / "old.pt", folder / "step-3")
+    assert train_in_process(args) == 0
+    assert "predates the step guard's state" in capsys.readouterr().err
+    reference = tmp_path / "reference"
+    assert train_in_process([*RUN, "--job.dump_folder", str(reference)]) == 0
+    assert losses(tmp_path) == losses(reference)
