@@ -417,6 +417,8 @@ def load_config(argv: list[str] | None = None) -> Config:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section]{_nearest(section, list(SECTIONS))}")

@@ -180,3 +180,17 @@ def test_a_missing_validation_path_fails_at_start_up(tmp_path, train_in_process,
     assert train_in_process(args) == 2
     assert f"validation.dataset_path: no data files at '{tmp_path / 'nope.jsonl'}'" in capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_an_unreadable_config_file_is_named(tmp_path, monkeypatch):
+    """Permissions cannot be taken from root (the tests' user here), so reading is made to fail."""
+    config = tmp_path / "locked.toml"
+    config.write_text("[training]\nsteps = 3\n")
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(config), "read_text", refuse)
+    with pytest.raises(ConfigError) as error:
+        load_config(["--job.config_file", str(config)])
+    assert str(error.value) == f"{config}: cannot be read (Permission denied)"
