@@ -101,11 +101,16 @@ def intact(path: Path, verify_checksums: bool) -> str | None:
     return problems[0] if problems else None
 
 
-def mismatch(path: Path, weights: dict[str, torch.Tensor], model_names: set[str]) -> str | None:
+def saved_entries(path: Path) -> dict:
+    """The tensors and values a DCP checkpoint holds, by flattened key ("model.layers.0...")."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def mismatch(saved: dict, weights: dict[str, torch.Tensor], model_names: set[str]) -> str | None:
     """The first difference between the model and the checkpoint's weights: one of this rank's
     `weights` whose global shape differs or that the checkpoint lacks, or a checkpoint weight that
-    is none of `model_names` (the whole model's, all ranks together), e.g. a layer more."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    is none of `model_names` (the whole model's, all ranks together), e.g. a layer more. `saved`:
+    the checkpoint's saved_entries."""
     for name, tensor in weights.items():
         entry = saved.get(f"model.{name}")
         if entry is None:
@@ -123,9 +128,8 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def is_model_only(path: Path) -> bool:
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return not any(key.startswith("train_state.") for key in keys)
+def is_model_only(saved: dict) -> bool:
+    return not any(key.startswith("train_state.") for key in saved)
 
 
 class CheckpointManager:
@@ -197,25 +201,25 @@ class CheckpointManager:
                 logger.info(f"removing {path}, left by an interrupted save or deletion")
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _check_fits(self, path: Path) -> None:
+    def _check_fits(self, path: Path, saved: dict) -> None:
         weights = self.states["model"].state_dict()
         names = [None] * dist.get_world_size()  # under PP each rank holds some of the weights
         dist.all_gather_object(names, list(weights))
-        problems = agreed_problems(mismatch(path, weights, {name for part in names for name in part}))
+        problems = agreed_problems(mismatch(saved, weights, {name for part in names for name in part}))
         if problems:
             raise ValueError(f"checkpoint {path} does not fit this model: {problems[0]} (check model.flavor and the model.* overrides)")
 
     def _resume(self, step: int, path: Path) -> int:
-        if is_model_only(path):
+        saved = saved_entries(path)
+        if is_model_only(saved):
             if step != 0:
                 raise ValueError(
                     f"{path} holds model weights only and cannot resume a run; start a new dump folder "
                     f"with --checkpoint.initial_load_path {path}"
                 )
             return self._load_weights(path)
-        self._check_fits(path)
+        self._check_fits(path, saved)
         states = self.states
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         if not any(key.startswith("step_guard.") for key in saved):
             logger.warning(f"{path} predates the step guard's state: its counters and spike window start empty")
             states = {name: state for name, state in self.states.items() if name != "step_guard"}
@@ -233,7 +237,7 @@ class CheckpointManager:
             problem = intact(path, self.cfg.checksums)
             if problem:
                 raise ValueError(f"checkpoint.initial_load_path {path} is damaged: {problem}")
-            self._check_fits(path)
+            self._check_fits(path, saved_entries(path))
             dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
         else:
             raise FileNotFoundError(f"no DCP checkpoint (.metadata) or Hugging Face model (config.json, *.safetensors) at {path}")

@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from components.checkpoint import DTYPES, ModelState
+from components.checkpoint import DTYPES, ModelState, saved_entries
 from components.config import Config, ConfigError, load_config
 from components.tokenizer import build_tokenizer
 
@@ -126,7 +126,7 @@ def checkpoint_shapes(checkpoint: Path, expected: dict[str, torch.Size]) -> dict
     the config's model expects."""
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"no DCP checkpoint at {checkpoint} (its .metadata file is missing)")
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = saved_entries(checkpoint)
     found = {}
     for name, shape in expected.items():
         meta = stored.get(f"model.{name}")
