@@ -28,12 +28,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_integrity import PARTIAL_SUFFIX, CommittingWriter, check_checkpoint, listed_files, unused_name
+from components.config import DTYPES
 from components.config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ModelState(Stateful):
     """The weights of all model parts (pipeline stages) of this rank, keyed by parameter name as in

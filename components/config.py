@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:
@@ -26,6 +28,8 @@ else:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes a config may name (mixed precision, export), by their config spelling."""
 
 
 @dataclass
@@ -291,12 +295,12 @@ CHOICES = {
     "training.on_nonfinite": ("stop", "skip"),
     "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "constant"),
     "training.dataset": ("hf", "packed"),
-    "training.mixed_precision_param": ("float32", "bfloat16", "float16"),
+    "training.mixed_precision_param": tuple(DTYPES),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
-    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "checkpoint.export_dtype": tuple(DTYPES),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "float8.recipe_name": ("tensorwise", "rowwise"),
 }

@@ -90,6 +90,23 @@ def keep_records_up_to(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """(training records, validation records) of a metrics.jsonl, in step order. A line cut short
+    by a killed run is skipped; where a step was logged twice, the later record wins."""
+    train, val = {}, {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in record:
+                train[record["step"]] = record
+            elif "val_loss" in record:
+                val[record["step"]] = record
+    return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from components.config import Config, ConfigError
+from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
@@ -22,9 +22,6 @@ from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.float8 import convert_to_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
     """Name the settings this version cannot apply yet rather than silently ignoring them."""
