@@ -5,30 +5,36 @@ also works for a single process.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from components.batch import batch_plan
 from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
-from components.data.loaders import build_dataloader, build_validation_dataloader
 from components.data.documents import document_ids
+from components.data.loaders import build_dataloader, build_validation_dataloader
 from components.distributed import ParallelDims, init_distributed, set_collective_timeout
 from components.hf import load_hf_weights
 from components.layer_metrics import LayerMetrics
+from components.layout_checks import check_supported
+from components.loss import cross_entropy_loss
 from components.metrics import MetricsLogger, peak_memory_gib
+from components.model_package import import_model_package
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
 from components.preemption import EXIT_PREEMPTED, PREEMPTED_FILE, StopSignals, write_preempted_record
 from components.profiling import Profiler
@@ -36,6 +42,7 @@ from components.step_guard import StepGuard, TrainingStopped
 from components.tokenizer import build_tokenizer
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import precompute_float8_scales
+from parallelisms.pipeline import Pipeline, build_pipeline
 
 logger = logging.getLogger("ingot")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata, harmless
@@ -48,38 +55,18 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("torchao").setLevel(logging.ERROR)  # it warns about GPU kernels it could not load
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor, gathered if it is a DTensor (a loss computed under loss parallel)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def train(config: Config, signals: StopSignals) -> int:
     """Train as configured; return the exit status (0, or EXIT_PREEMPTED after a stop signal)."""
-    # --- Processes, the device mesh and the run's folder -------------------------------------
+    # --- Processes, the device mesh, the batch plan and the run's folder ---------------------
     device = init_distributed(config.comm, Path(config.job.dump_folder))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_logging(rank)
     dims = ParallelDims.from_config(config.parallelism, world_size)
+    check_supported(config, dims, device)
     mesh = dims.build_mesh(device.type)
-    dp_rank, dp_size = dims.dp_mesh.get_local_rank(), dims.dp
-
+    dp_rank = dims.dp_mesh.get_local_rank()
     training = config.training
-    local_per_step = training.local_batch_size * dp_size
-    global_batch = local_per_step if training.global_batch_size == -1 else training.global_batch_size
-    if global_batch % local_per_step:
-        raise ConfigError(
-            f"training.global_batch_size {global_batch} must be a multiple of training.local_batch_size "
-            f"({training.local_batch_size}) x data-parallel degree ({dp_size}) = {local_per_step}"
-        )
-    grad_accum_steps = global_batch // local_per_step
-    if config.validation.enable and min(config.validation.freq, config.validation.steps) < 1:
-        raise ConfigError("validation.freq and validation.steps must be >= 1")
-
+    plan = batch_plan(training, dims.dp)
     torch.manual_seed(training.seed)
     if training.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -91,23 +78,22 @@ def train(config: Config, signals: StopSignals) -> int:
 
     # --- Tokenizer and model, built on the meta device (no memory) ---------------------------
     tokenizer = build_tokenizer(config.model.tokenizer_path)
-    model_package = importlib.import_module(f"models.{config.model.name}")
+    model_package = import_model_package(config.model.name)
     model_args = model_package.build_model_args(config, tokenizer.vocab_size)
     with torch.device("meta"):
-        model = model_package.Transformer(model_args)
-    n_params = sum(p.numel() for p in model.parameters())
+        whole_model = model_package.Transformer(model_args)
+    n_params = sum(p.numel() for p in whole_model.parameters())
 
     # --- Split into pipeline stages, parallelize, then initialize -----------------------------
     # DTensor draws random numbers layout-independently only on CUDA-like devices. Elsewhere the
     # full model is initialized before it is split and sharded, so every layout starts alike.
     init_before_sharding = device.type == "cpu"
     if init_before_sharding:
-        model.to_empty(device=device)
-        model.init_weights()
+        whole_model.to_empty(device=device)
+        whole_model.init_weights()
+    model_parts, stage_ids, num_stages = [whole_model], [0], 1
     if dims.pp > 1:
-        model_parts, stage_ids, num_stages = model_package.split_for_pipeline(model, mesh["pp"], config)
-    else:
-        model_parts = [model]
+        model_parts, stage_ids, num_stages = model_package.split_for_pipeline(whole_model, mesh["pp"], config)
     model_parts = [model_package.parallelize(part, dims, mesh, config, device) for part in model_parts]
     if not init_before_sharding and dims.pp > 1:
         # Each pipeline stage draws its own weights. DTensor's RNG would otherwise copy rank 0's
@@ -118,31 +104,36 @@ def train(config: Config, signals: StopSignals) -> int:
             part.to_empty(device=device)
             part.init_weights()
         part.train()
-    use_loss_parallel = dims.tp > 1
-    loss_fn = torch.compile(cross_entropy_loss) if config.compile.enable and not use_loss_parallel else cross_entropy_loss
+    # Read from this module's globals at this point, so that a test can swap the loss (test_reliability.py).
+    loss_fn = cross_entropy_loss if dims.tp > 1 or not config.compile.enable else torch.compile(cross_entropy_loss)
+    pipeline = None
     if dims.pp > 1:
-        schedule = model_package.build_pipeline_schedule(
-            model_parts, stage_ids, num_stages, mesh["pp"], config, device, loss_fn, grad_accum_steps
+        pipeline = build_pipeline(
+            model_parts, stage_ids, num_stages, mesh["pp"], config, device, loss_fn, plan.grad_accum_steps
         )
-        has_first_stage, has_last_stage = 0 in stage_ids, num_stages - 1 in stage_ids
-    params_per_rank = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for part in model_parts for p in part.parameters())
+    model = ModelOnRank(
+        model_parts, pipeline, loss_fn, loss_parallel=dims.tp > 1,
+        pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+        loss_group=dims.loss_mesh.get_group() if dims.dp * dims.cp > 1 else None,
+    )
+    params_on_rank = sum(local(p).numel() for part in model_parts for p in part.parameters())
     logger.info(
-        f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M parameters, "
-        f"{params_per_rank / 1e6:.2f}M on this rank | global batch {global_batch} x {training.seq_len} tokens, "
-        f"gradient accumulation {grad_accum_steps}"
+        f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M "
+        f"parameters, {params_on_rank / 1e6:.2f}M on this rank | global batch {plan.global_batch} x "
+        f"{training.seq_len} tokens, gradient accumulation {plan.grad_accum_steps}"
     )
 
     # --- Optimizer, schedule, data and checkpoints -------------------------------------------
     optimizers = Optimizers(model_parts, config.optimizer)
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
-    dataloader = build_dataloader(config, tokenizer, dp_rank, dp_size)
+    dataloader = build_dataloader(config, tokenizer, dp_rank, dims.dp)
     if config.validation.enable:  # a bad validation.dataset_path fails now, not at the first validation
-        build_validation_dataloader(config, tokenizer, dp_rank, dp_size)
+        build_validation_dataloader(config, tokenizer, dp_rank, dims.dp)
     train_state = TrainState()
     step_guard = StepGuard(training, device)
     checkpointer = CheckpointManager(
-        config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard, training.steps, device,
-        load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
+        config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
+        training.steps, device, load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
     )
     if config.checkpoint.create_seed_checkpoint:
         if world_size != 1:
@@ -158,55 +149,23 @@ def train(config: Config, signals: StopSignals) -> int:
         return 0
 
     metrics = MetricsLogger(
-        dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0, to_toml(config),
-        matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param, resume_step=start_step,
+        dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0,
+        to_toml(config), matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param,
+        resume_step=start_step,
     )
-    layer_metrics = (
-        LayerMetrics(model_parts, model_args.n_layers, mesh["pp"].get_group() if dims.pp > 1 else None)
-        if config.metrics.per_layer else None
-    )
+    layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
-    data_iter = iter(dataloader)
-    tokens_per_step = global_batch * training.seq_len
+    eos_id = tokenizer.eos_id if training.document_masking else None
+    cp_mesh = mesh["cp"] if dims.cp > 1 else None
+    batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in dataloader)
     precompute_float8 = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
 
-    def prepare(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's inputs, labels and (with document masking) document ids of a batch of windows."""
-        batch = batch.to(device, non_blocking=True)
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        documents = document_ids(inputs, tokenizer.eos_id) if training.document_masking else None
-        if dims.cp > 1:  # each context-parallel rank takes its share of the sequence
-            inputs, labels = shard_sequence(inputs, mesh["cp"]), shard_sequence(labels, mesh["cp"])
-        return inputs, labels, documents
-
-    def mean_over_ranks(loss_sum: torch.Tensor) -> torch.Tensor:
-        """A loss summed on the last pipeline stage, averaged over data- and context-parallel ranks."""
-        if dims.pp > 1:  # only the last stage computed it
-            dist.all_reduce(loss_sum, group=mesh["pp"].get_group())
-        if dims.dp * dims.cp > 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=dims.loss_mesh.get_group())
-        return loss_sum
-
-    @torch.no_grad()
-    def validation_loss() -> float:
-        """Mean loss over the first validation.steps batches of the validation data."""
-        for part in model_parts:
-            part.eval()
-        batches = iter(build_validation_dataloader(config, tokenizer, dp_rank, dp_size))
-        loss_sum = torch.zeros((), device=device)
-        with loss_parallel() if use_loss_parallel else nullcontext():
-            for _ in range(config.validation.steps):
-                inputs, labels, documents = prepare(next(batches))
-                if dims.pp > 1:
-                    losses = [] if has_last_stage else None
-                    schedule.eval(*([inputs] if has_first_stage else []), target=labels if has_last_stage else None, losses=losses)
-                    if has_last_stage:  # the schedule's losses are scaled for gradient accumulation
-                        loss_sum += grad_accum_steps * torch.stack([full(l) for l in losses]).sum()
-                else:
-                    loss_sum += full(loss_fn(model_parts[0](inputs, documents), labels))
-        for part in model_parts:
-            part.train()
-        return mean_over_ranks(loss_sum).item() / config.validation.steps
+    def validate(step: int) -> None:
+        start = time.perf_counter()
+        loader = build_validation_dataloader(config, tokenizer, dp_rank, dims.dp)
+        val_batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in loader)
+        loss = validation_loss(model, val_batches, config.validation.steps, plan.grad_accum_steps)
+        metrics.log_validation(step, loss, time.perf_counter() - start)
 
     def stop_for_signal(step: int) -> int:
         """Save a checkpoint of `step` on every rank; return the exit status of a preempted run."""
@@ -227,58 +186,32 @@ def train(config: Config, signals: StopSignals) -> int:
     try:
         with Profiler(config.profiling, dump_folder, rank, device) as profiler:
             for step in range(start_step + 1, training.steps + 1):
-                optimizers.zero_grad()
-                loss_sum = torch.zeros((), device=device)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
                 # which would pollute the per-layer statistics.
-                log_layers = layer_metrics is not None and log_this_step and not (dims.pp > 1 and step == start_step + 1)
-                if log_layers:
-                    layer_metrics.start()
-                for micro_step in range(grad_accum_steps):
-                    inputs, labels, documents = prepare(next(data_iter))
-                    for part in model_parts:  # reduce gradients across ranks on the last micro-batch only
-                        if isinstance(part, FSDPModule):
-                            part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-                    with loss_parallel() if use_loss_parallel else nullcontext():
-                        if dims.pp > 1:
-                            # The schedule runs forward and backward of every micro-batch of the pipeline;
-                            # the last stage's losses are already divided by the number of micro-batches.
-                            losses = [] if has_last_stage else None
-                            schedule.step(
-                                *([inputs] if has_first_stage else []), target=labels if has_last_stage else None,
-                                losses=losses, return_outputs=False,
-                            )
-                            if has_last_stage:
-                                loss_sum += torch.stack([full(l) for l in losses]).detach().sum()
-                        else:
-                            loss = loss_fn(model_parts[0](inputs, documents), labels) / grad_accum_steps
-                            loss.backward()
-                            loss_sum += full(loss).detach()
-                layers = layer_metrics.collect(device) if log_layers else None
-                grad_norm = clip_grad_norm(model_parts, training.max_norm, mesh["pp"].get_group() if dims.pp > 1 else None)
-                step_loss = mean_over_ranks(loss_sum)
+                first_pipeline_step = pipeline is not None and step == start_step + 1
+                record_layers = layer_metrics if log_this_step and not first_pipeline_step else None
                 lr = lr_schedule.lr
-                optimizers.step(skip=step_guard.decide(step, step_loss, grad_norm))
+                loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
+                                                     optimizers, record_layers)
+                optimizers.step(skip=step_guard.decide(step, loss, grad_norm))
                 lr_schedule.step()
                 if precompute_float8:
                     for part in model_parts:
                         precompute_float8_scales(part)
                 train_state.step = step
-
-                metrics.count_tokens(tokens_per_step)
+                metrics.count_tokens(plan.tokens_per_step)
                 stop_now = signals.agreed(stop_group)
                 # The guard's counters are read (a sync) only where the loop syncs anyway; a run that
                 # must stop does so before it saves.
                 if log_this_step or checkpointer.due(step) or stop_now or step == training.steps:
                     skipped = step_guard.check()
-                if log_this_step:
-                    metrics.log(step, step_loss.item(), grad_norm.item(), lr, skipped)
+                    if log_this_step:
+                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped)
                 if layers:
                     metrics.log_layers(step, layers)
                 if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):
-                    start = time.perf_counter()
-                    metrics.log_validation(step, validation_loss(), time.perf_counter() - start)
+                    validate(step)
                 if step == start_step + 1:
                     logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
                 checkpointer.maybe_save(step)
@@ -290,6 +223,112 @@ def train(config: Config, signals: StopSignals) -> int:
         metrics.close()
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
     return 0
+
+
+# --- One step -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelOnRank:
+    """This rank's share of the model and what running a batch through it needs."""
+
+    parts: list[nn.Module]
+    """The whole model, or this rank's pipeline stages."""
+    pipeline: Pipeline | None
+    """Drives the stages under pipeline parallelism; None without it."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_parallel: bool
+    """Tensor parallelism leaves the logits sharded over the vocabulary; the loss is taken on the shards."""
+    pp_group: dist.ProcessGroup | None
+    """The pipeline ranks, which each hold part of the gradients (None without pipeline parallelism)."""
+    loss_group: dist.ProcessGroup | None
+    """The data- and context-parallel ranks, whose losses are averaged (None when this rank is alone)."""
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor, gathered if it is a DTensor (a loss computed under loss parallel)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def prepare_batch(
+    batch: torch.Tensor, device: torch.device, eos_id: int | None, cp_mesh: DeviceMesh | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's inputs, labels and (with document masking: an eos_id) document ids of a batch of
+    windows; under context parallelism (a cp_mesh), its share of the sequence."""
+    batch = batch.to(device, non_blocking=True)
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    documents = document_ids(inputs, eos_id) if eos_id is not None else None
+    if cp_mesh is not None:
+        inputs, labels = shard_sequence(inputs, cp_mesh), shard_sequence(labels, cp_mesh)
+    return inputs, labels, documents
+
+
+def forward_backward(
+    model: ModelOnRank, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
+    grad_accum_steps: int, train: bool,
+) -> torch.Tensor:
+    """One micro-batch through this rank's model, and backward when `train`: its loss divided by
+    grad_accum_steps (its share of the step's mean loss). Under pipeline parallelism the pipeline runs
+    forward and backward of its own micro-batches, and only the last stage has a loss (others: 0)."""
+    with loss_parallel() if model.loss_parallel else nullcontext():
+        if model.pipeline is not None:
+            losses = model.pipeline.run(inputs, labels, train)
+            if not losses:
+                return torch.zeros((), device=inputs.device)
+            return torch.stack([gathered(loss) for loss in losses]).detach().sum()
+        loss = model.loss_fn(model.parts[0](inputs, documents), labels) / grad_accum_steps
+        if train:
+            loss.backward()
+        return gathered(loss).detach()
+
+
+def mean_over_ranks(model: ModelOnRank, loss_sum: torch.Tensor) -> torch.Tensor:
+    """A loss summed on the last pipeline stage, averaged over data- and context-parallel ranks."""
+    if model.pp_group is not None:  # only the last stage computed it
+        dist.all_reduce(loss_sum, group=model.pp_group)
+    if model.loss_group is not None:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.loss_group)
+    return loss_sum
+
+
+def train_step(
+    model: ModelOnRank, batches: Iterator, grad_accum_steps: int, max_norm: float, optimizers: Optimizers,
+    layer_metrics: LayerMetrics | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """Forward and backward of grad_accum_steps micro-batches, then the gradients clipped to max_norm.
+    Returns the step's mean loss over all ranks, the gradient norm before clipping and, with
+    layer_metrics, the per-layer statistics. The optimizer step is left to the caller, whose step
+    guard decides whether to take it."""
+    optimizers.zero_grad()
+    if layer_metrics is not None:
+        layer_metrics.start()
+    loss_sum = 0
+    for micro_step in range(grad_accum_steps):
+        for part in model.parts:  # reduce gradients across ranks on the last micro-batch only
+            if isinstance(part, FSDPModule):
+                part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+        loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=True)
+    layers = layer_metrics.collect(loss_sum.device) if layer_metrics is not None else None  # before clipping
+    grad_norm = clip_grad_norm(model.parts, max_norm, model.pp_group)
+    return mean_over_ranks(model, loss_sum), grad_norm, layers
+
+
+@torch.no_grad()
+def validation_loss(model: ModelOnRank, batches: Iterator, steps: int, grad_accum_steps: int) -> float:
+    """Mean loss over the first `steps` batches of the validation data, on every rank."""
+    for part in model.parts:
+        part.eval()
+    loss_sum = 0
+    for _ in range(steps):
+        loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=False)
+    for part in model.parts:
+        part.train()
+    return (mean_over_ranks(model, loss_sum) * grad_accum_steps).item() / steps
 
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3

@@ -27,9 +27,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_integrity import PARTIAL_SUFFIX, CommittingWriter, check_checkpoint, listed_files, unused_name
-from components.config import DTYPES
-from components.config import Checkpoint as CheckpointConfig
+from components.checkpoint_integrity import (
+    PARTIAL_SUFFIX,
+    CommittingWriter,
+    check_checkpoint,
+    listed_files,
+    unused_name,
+)
+from components.config import DTYPES, Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +119,10 @@ def mismatch(saved: dict, weights: dict[str, torch.Tensor], model_names: set[str
         if entry is None:
             return f"model weight {name} is not in the checkpoint"
         if tuple(entry.size) != tuple(tensor.shape):
-            return f"model weight {name} has shape {tuple(entry.size)} in the checkpoint and {tuple(tensor.shape)} in this model"
-    extra = sorted(key.removeprefix("model.") for key in saved if key.startswith("model.") and key.removeprefix("model.") not in model_names)
+            return (f"model weight {name} has shape {tuple(entry.size)} in the checkpoint "
+                    f"and {tuple(tensor.shape)} in this model")
+    extra = sorted(key.removeprefix("model.") for key in saved
+                   if key.startswith("model.") and key.removeprefix("model.") not in model_names)
     if extra:
         return f"the checkpoint has model weight {extra[0]}, which this model lacks"
     return None
@@ -132,8 +139,8 @@ def is_model_only(saved: dict) -> bool:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model_parts: list[nn.Module], optimizers: Stateful,
-                 lr_schedule: Stateful, dataloader, train_state: TrainState, step_guard: Stateful, total_steps: int, device: torch.device,
-                 load_hf: Callable[[Path], None]):
+                 lr_schedule: Stateful, dataloader, train_state: TrainState, step_guard: Stateful, total_steps: int,
+                 device: torch.device, load_hf: Callable[[Path], None]):
         """`load_hf(path)` loads the weights of a Hugging Face folder into the model parts
         (components.hf.load_hf_weights), for an initial_load_path that is one."""
         self.cfg, self.total_steps = cfg, total_steps
@@ -161,7 +168,8 @@ class CheckpointManager:
         elif mode == "async_with_pinned_mem":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=True))
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
             self.async_kwargs = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
         self.mode = mode
 
@@ -205,7 +213,8 @@ class CheckpointManager:
         dist.all_gather_object(names, list(weights))
         problems = agreed_problems(mismatch(saved, weights, {name for part in names for name in part}))
         if problems:
-            raise ValueError(f"checkpoint {path} does not fit this model: {problems[0]} (check model.flavor and the model.* overrides)")
+            raise ValueError(f"checkpoint {path} does not fit this model: {problems[0]} "
+                             "(check model.flavor and the model.* overrides)")
 
     def _resume(self, step: int, path: Path) -> int:
         saved = saved_entries(path)
@@ -238,8 +247,10 @@ class CheckpointManager:
             self._check_fits(path, saved_entries(path))
             dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
         else:
-            raise FileNotFoundError(f"no DCP checkpoint (.metadata) or Hugging Face model (config.json, *.safetensors) at {path}")
-        logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s; training starts at step 1")
+            raise FileNotFoundError("no DCP checkpoint (.metadata) or Hugging Face model "
+                                    f"(config.json, *.safetensors) at {path}")
+        logger.info(f"loaded model weights from {path} in {time.perf_counter() - start:.1f}s; "
+                    "training starts at step 1")
         return 0
 
     def _writer(self, step: int) -> CommittingWriter:
@@ -257,7 +268,8 @@ class CheckpointManager:
 
     def due(self, step: int) -> bool:
         """Whether maybe_save(step) saves: at the configured interval and at the last step."""
-        return self.cfg.enable and (step == self.total_steps or step % self.cfg.interval == 0) and step != self.last_saved
+        return (self.cfg.enable and (step == self.total_steps or step % self.cfg.interval == 0)
+                and step != self.last_saved)
 
     def maybe_save(self, step: int, force: bool = False) -> None:
         """Save if due, or now when `force` (preemption)."""

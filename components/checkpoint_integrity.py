@@ -103,7 +103,8 @@ def check_checkpoint(path: Path, verify_checksums: bool, files_to_checksum=None)
         for name, end in sorted(needed.items()):
             size = (path / name).stat().st_size if (path / name).is_file() else None
             if size is None or size < end:
-                return f"{name} is {'missing' if size is None else f'{size} bytes, shorter than the {end} its metadata needs'}"
+                found = "missing" if size is None else f"{size} bytes, shorter than the {end} its metadata needs"
+                return f"{name} is {found}"
         return None
     try:
         files = json.loads(record_path.read_text())["files"]

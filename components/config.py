@@ -115,7 +115,7 @@ class Training:
     """Use deterministic algorithms (slower on CUDA)."""
     dataset: str = "hf"
     """hf: local JSON/JSONL/text/Parquet files read with Hugging Face datasets, packed on the fly;
-    packed: folders written by python -m components.data.preprocess, memory-mapped."""
+    packed: folders written by python -m scripts.preprocess, memory-mapped."""
     dataset_path: list[str] = field(default_factory=lambda: ["tests/assets/shakespeare/train.jsonl"])
     """hf: files, globs, directories of files or a directory written by datasets.save_to_disk.
     packed: folders, each optionally with a blend weight ("a:0.7,b:0.3")."""
@@ -298,7 +298,9 @@ CHOICES = {
     "training.mixed_precision_param": tuple(DTYPES),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+    "parallelism.pipeline_parallel_schedule": (
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+    ),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.export_dtype": tuple(DTYPES),
     "activation_checkpoint.mode": ("none", "full", "selective"),
@@ -425,7 +427,8 @@ def load_config(argv: list[str] | None = None) -> Config:
             raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
         for section, values in data.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{path}: top-level key '{section}' must be a [section]{_nearest(section, list(SECTIONS))}")
+                raise ConfigError(f"{path}: top-level key '{section}' must be a [section]"
+                                  f"{_nearest(section, list(SECTIONS))}")
             for name, value in values.items():
                 try:
                     _set(config, f"{section}.{name}", value)
@@ -464,8 +467,12 @@ def to_toml(config: Config) -> str:
 
 def git_commit() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + (" (uncommitted changes)" if dirty else "")

@@ -1,35 +1,15 @@
-"""Hugging Face interop: export ingot checkpoints as HF safetensors folders, import HF checkpoints.
+"""Loading Hugging Face weights into ingot models: what a training run and a notebook import.
 
-    python -m components.hf export --job.config_file CFG --checkpoint DUMP/checkpoint/step-N --output HFDIR \\
-        [--dtype float32|bfloat16|float16] [--max-shard-gb 5]
-    python -m components.hf import --job.config_file CFG --hf HFDIR --output DCPDIR
-
-Any other `--section.key value` is a config override, as for train.py: the config must describe the
-model of the checkpoint (flavor and [model] overrides; the tokenizer sets the vocabulary). Training
-can also start from an HF folder directly, `--checkpoint.initial_load_path HFDIR`, which loads
-sharded (`load_hf_weights`). `load_hf_model(HFDIR)` builds an ingot model from an HF folder.
-
-What is model-specific (parameter names, config.json fields) comes from the model package:
-models/<model.name>/ exports to_hf, from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS.
-
-Export reads the DCP checkpoint with dcp.load in this one process: DCP reassembles tensors saved
-under any parallel layout (FSDP, TP, PP shards) from their pieces. It loads one output file's worth
-of tensors at a time and writes each with safetensors' save_file, plus model.safetensors.index.json
-when there are several files, so memory never holds more than one file. torch's
-HuggingFaceStorageWriter is not used for that reason: it writes the index from the results of a
-single dcp.save call, which would need the whole model in memory at once.
+`load_hf_weights` fills a run's (sharded, possibly pipeline-split) model from an HF folder at start-up
+(`--checkpoint.initial_load_path HFDIR`); `load_hf_model(HFDIR)` builds a whole ingot model from one.
+The model-specific part (parameter names, config.json fields) comes from the model package: models/<name>/
+exports to_hf, from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. The converter between DCP
+checkpoints and HF folders is scripts/hf.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import logging
-import shutil
-import sys
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -38,22 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from components.checkpoint import DTYPES, ModelState, saved_entries
-from components.config import Config, ConfigError, load_config
-from components.tokenizer import build_tokenizer
-
-logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def one_process():
-    """Silence DCP's warning that, without a process group, it assumes one process: here it should."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-# --- Reading HF folders ---------------------------------------------------------------------------
+from components.checkpoint import ModelState
+from components.config import ConfigError
+from components.model_package import import_model_package
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -88,7 +55,7 @@ def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> 
 def load_hf_model(path: str | Path, model_name: str = "llama3") -> nn.Module:
     """The ingot model of an HF folder (config.json and safetensors), in fp32 on CPU and in eval
     mode: called on token ids (batch, seq) it returns logits (batch, seq, vocab)."""
-    package = importlib.import_module(f"models.{model_name}")
+    package = import_model_package(model_name)
     args = package.model_args_from_hf(read_hf_config(path))
     with torch.device("meta"):
         model = package.Transformer(args)
@@ -109,169 +76,3 @@ def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleTyp
     hf_state = package.to_hf(state.state_dict(), args)  # only the keys this rank's parts hold
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
     state.load_state_dict(package.from_hf(hf_state, args))
-
-
-# --- Export ---------------------------------------------------------------------------------------
-
-
-def model_and_args(config: Config):
-    """The model package, the ModelArgs of the config and its tokenizer."""
-    tokenizer = build_tokenizer(config.model.tokenizer_path)
-    package = importlib.import_module(f"models.{config.model.name}")
-    return package, package.build_model_args(config, tokenizer.vocab_size), tokenizer
-
-
-def checkpoint_shapes(checkpoint: Path, expected: dict[str, torch.Size]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """(shape, stored dtype) of every model weight of a DCP checkpoint, checked against the shapes
-    the config's model expects."""
-    if not (checkpoint / ".metadata").is_file():
-        raise FileNotFoundError(f"no DCP checkpoint at {checkpoint} (its .metadata file is missing)")
-    stored = saved_entries(checkpoint)
-    found = {}
-    for name, shape in expected.items():
-        meta = stored.get(f"model.{name}")
-        if meta is None:
-            raise ConfigError(f"{checkpoint} has no weight model.{name}: is it a checkpoint of the model this config describes?")
-        if meta.size != shape:
-            raise ConfigError(f"{checkpoint}: model.{name} has shape {list(meta.size)} but the config's model expects "
-                              f"{list(shape)}: pass the config (and overrides) of the run that wrote it")
-        found[name] = (meta.size, meta.properties.dtype)
-    return found
-
-
-def plan_files(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive names in groups of at most max_bytes (a larger tensor gets a file of its own)."""
-    files, size = [[]], 0
-    for name in names:
-        if files[-1] and size + nbytes[name] > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += nbytes[name]
-    return files
-
-
-def copy_tokenizer(tokenizer_path: str | Path, output: Path) -> None:
-    """Put the tokenizer in the HF folder if transformers can load it: a tokenizer.json as is, a
-    sentencepiece model as tokenizer.model. A tiktoken file has no HF form to copy."""
-    path = Path(tokenizer_path)
-    if path.suffix == ".json":
-        shutil.copyfile(path, output / "tokenizer.json")
-        return
-    import sentencepiece
-
-    try:
-        sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError):
-        logger.info(f"{path} is not a tokenizer.json or a sentencepiece model (tiktoken?): no tokenizer written to "
-                    f"{output}; copy the HF tokenizer files (tokenizer.json, tokenizer_config.json) there yourself")
-        return
-    shutil.copyfile(path, output / "tokenizer.model")
-
-
-def export(config: Config, checkpoint: Path, output: Path, dtype: str = "float32", max_shard_gb: float = 5.0) -> None:
-    """Write the model weights of a DCP checkpoint as an HF LlamaForCausalLM folder."""
-    package, args, tokenizer = model_and_args(config)
-    output.mkdir(parents=True, exist_ok=True)
-    files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
-    ids = {"bos_id": none_if_negative(tokenizer.bos_id), "eos_id": none_if_negative(tokenizer.eos_id)}
-    write_json(output / "config.json", package.hf_config(args, dtype=dtype, **ids))
-    generation = {"bos_token_id": ids["bos_id"], "eos_token_id": ids["eos_id"]}
-    write_json(output / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-    copy_tokenizer(config.model.tokenizer_path, output)
-    logger.info(f"exported {checkpoint} to {output}: {files} safetensors file(s), {total_bytes / 2**20:.1f} MiB in {dtype}")
-
-
-def write_weights(package: ModuleType, args, checkpoint: Path, output: Path, dtype: torch.dtype, max_bytes: int) -> tuple[int, int]:
-    """The weights of a DCP checkpoint as safetensors files of at most max_bytes each, with an
-    index if there are several, read from the checkpoint a file's worth at a time; returns the
-    number of files and of bytes."""
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in package.Transformer(args).state_dict().items()}
-    stored = checkpoint_shapes(checkpoint, expected)
-    hf_to_ingot = package.to_hf({name: name for name in expected}, args)  # in the model's order
-    nbytes = {h: stored[name][0].numel() * dtype.itemsize for h, name in hf_to_ingot.items()}
-    files = plan_files(list(hf_to_ingot), nbytes, max_bytes)
-    weight_map = {}
-    for i, hf_names in enumerate(files, start=1):
-        file_name = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
-        tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in map(hf_to_ingot.get, hf_names)}
-        with one_process():
-            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), no_dist=True)
-        save_safetensors({h: tensors[hf_to_ingot[h]].to(dtype) for h in hf_names}, output / file_name)
-        weight_map |= dict.fromkeys(hf_names, file_name)
-    if len(files) > 1:
-        write_json(output / "model.safetensors.index.json", {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map})
-    return len(files), sum(nbytes.values())
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    # transformers refuses files whose metadata does not say "pt".
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
-
-
-def write_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
-def none_if_negative(token_id: int) -> int | None:
-    return None if token_id < 0 else token_id
-
-
-# --- Import ---------------------------------------------------------------------------------------
-
-
-def import_hf(config: Config, hf: Path, output: Path) -> None:
-    """Write the weights of an HF folder as a model-only DCP checkpoint, for
-    --checkpoint.initial_load_path (kept in the dtype of the HF files; loading casts them)."""
-    package, args, _ = model_and_args(config)
-    check_hf_config(package, args, read_hf_config(hf), hf)
-    weights = package.from_hf(read_hf_weights(hf), args)
-    with torch.device("meta"):
-        expected = package.Transformer(args).state_dict()
-    if set(weights) != set(expected):
-        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise ConfigError(f"{hf} does not hold the model's weights: missing {missing[:5]}, unexpected {extra[:5]}")
-    with one_process():
-        dcp.save({"model": weights}, checkpoint_id=str(output), no_dist=True)
-    logger.info(f"imported {hf} to {output}; train from it with --checkpoint.initial_load_path {output}")
-
-
-# --- Command line ---------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(prog="python -m components.hf", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    commands = parser.add_subparsers(dest="command", required=True)
-    config_note = ("Every other argument, --job.config_file CFG and --section.key value overrides, sets the config "
-                   "of the model as for train.py.")
-    export_parser = commands.add_parser("export", help="DCP checkpoint -> HF folder", epilog=config_note, allow_abbrev=False)
-    export_parser.add_argument("--checkpoint", type=Path, required=True, help="a step-N checkpoint folder")
-    export_parser.add_argument("--output", type=Path, required=True, help="the HF folder to write")
-    export_parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    export_parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
-    import_parser = commands.add_parser("import", help="HF folder -> DCP checkpoint", epilog=config_note, allow_abbrev=False)
-    import_parser.add_argument("--hf", type=Path, required=True, help="the HF folder (config.json, *.safetensors)")
-    import_parser.add_argument("--output", type=Path, required=True, help="the DCP checkpoint folder to write")
-    options, rest = parser.parse_known_args(argv)
-    return options, load_config(rest)
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    try:
-        options, config = parse_args(sys.argv[1:] if argv is None else argv)
-        if options.command == "export":
-            export(config, options.checkpoint, options.output, options.dtype, options.max_shard_gb)
-        else:
-            import_hf(config, options.hf, options.output)
-    except (ConfigError, FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -70,6 +70,7 @@ class LayerMetrics:
         norms, sums, maxima = norms.sqrt().cpu(), sums.cpu(), maxima.cpu()
         rms = (sums[:, 0] / sums[:, 1].clamp(min=1)).sqrt()
         return {
-            layer: dict(zip(FIELDS, (norms[layer, 0].item(), norms[layer, 1].item(), rms[layer].item(), maxima[layer].item())))
+            layer: dict(zip(FIELDS, (norms[layer, 0].item(), norms[layer, 1].item(),
+                                     rms[layer].item(), maxima[layer].item())))
             for layer in range(self.n_layers)
         }

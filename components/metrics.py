@@ -110,8 +110,8 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 
-    def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int, is_writer: bool,
-                 config_text: str = "", matmul_dtype: str = "float32", resume_step: int = 0):
+    def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int,
+                 is_writer: bool, config_text: str = "", matmul_dtype: str = "float32", resume_step: int = 0):
         """`resume_step`: the step a resumed run continues after; what an earlier attempt logged for
         later steps is dropped from metrics.jsonl and TensorBoard, as those steps are run again."""
         self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
@@ -126,7 +126,8 @@ class MetricsLogger:
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder), purge_step=resume_step + 1 if resume_step else None)
+                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder),
+                                        purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
                 self.tb.add_text("config", f"```\n{config_text}\n```")
         self.reset_timer()

@@ -13,10 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
-from components.config import LRScheduler as LRSchedulerConfig
-from components.config import Optimizer as OptimizerConfig
-
+from components.config import LRScheduler as LRSchedulerConfig, Optimizer as OptimizerConfig
 
 # Flattened keys ("state.layers.0.attention.wq.weight.exp_avg") let every model part find its own
 # entries in one merged dict.
@@ -27,10 +26,12 @@ class Optimizers(Stateful):
     """One AdamW per model part, stepped together."""
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
-        impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[cfg.implementation]
+        implementations = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+        impl = implementations[cfg.implementation]
         self.model_parts, self.fused = model_parts, cfg.implementation == "fused"
+        hyperparameters = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl)
+            torch.optim.AdamW([{"params": group} for group in by_mesh(part.parameters())], **hyperparameters, **impl)
             for part in model_parts
         ]
 
@@ -127,19 +128,32 @@ class LRSchedule(Stateful):
         self._apply()
 
 
+def by_mesh(params) -> list[list[nn.Parameter]]:
+    """Parameters in groups that one foreach or fused kernel can take: plain tensors together, and
+    DTensors per device mesh. A model may mix them (e.g. a replicated norm beside tensor-parallel
+    weights, or FSDP-only weights beside FSDP x TP ones), and those kernels refuse a mix."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
 def clip_grad_norm(model_parts: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
 
-    Under pipeline parallelism each rank sees only its stages' gradients, so the squared norms
-    are summed over the pipeline group first."""
-    grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, torch.distributed.tensor.DTensor):
-        norm = norm.full_tensor()
+    The norm is taken per `by_mesh` group and the parts combined. Under pipeline parallelism each rank
+    sees only its stages' gradients, so the squared norms are summed over the pipeline group."""
+    groups = by_mesh(p for part in model_parts for p in part.parameters() if p.grad is not None)
+    norms = []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         squared = norm**2
         torch.distributed.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for part in model_parts for p in part.parameters()], max_norm, norm, foreach=True)
+        for params in groups:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

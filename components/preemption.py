@@ -3,8 +3,8 @@
 SLURM sends SIGTERM before killing a job (preemption, scancel; SIGKILL follows after its
 GraceTime/KillWait), and `#SBATCH --signal=USR1@<seconds>` sends SIGUSR1 that long before the time
 limit. torchrun forwards both to the workers when told to (run_train.sh does: see
-docs/reliability.md). train.main installs a handler that only notes the signal. At the next step boundary the ranks agree
-(one all-reduce on a CPU group: no device sync) whether any of them got one; if so, they all save a
+docs/reliability.md). train.main installs a handler that only notes the signal. At the next step boundary the ranks
+agree (one all-reduce on a CPU group: no device sync) whether any of them got one; if so, they all save a
 checkpoint of that step and train.py exits with EXIT_PREEMPTED. Re-running the same command resumes.
 
 The handler is installed before the data loader starts its worker processes, which inherit it:
@@ -64,5 +64,6 @@ class StopSignals:
 def write_preempted_record(dump_folder: Path, step: int, checkpoint: Path, cause: str) -> Path:
     """<dump_folder>/preempted.json: what a job script reads to decide on requeueing."""
     path = dump_folder / PREEMPTED_FILE
-    path.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint), "signal": cause, "time": time.time()}) + "\n")
+    record = {"step": step, "checkpoint": str(checkpoint), "signal": cause, "time": time.time()}
+    path.write_text(json.dumps(record) + "\n")
     return path

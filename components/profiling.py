@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from components.config import ConfigError
-from components.config import Profiling as ProfilingConfig
+from components.config import ConfigError, Profiling as ProfilingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,9 @@ class Profiler:
             idle = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
             if cfg.profiler_active < 1 or cfg.profiler_warmup < 0 or idle < 0:
                 raise ConfigError(
-                    f"profiling.profile_freq ({cfg.profile_freq}) must be at least profiler_warmup ({cfg.profiler_warmup}) "
-                    f"+ profiler_active ({cfg.profiler_active}), with profiler_active >= 1"
+                    f"profiling.profile_freq ({cfg.profile_freq}) must be at least "
+                    f"profiler_warmup ({cfg.profiler_warmup}) + profiler_active ({cfg.profiler_active}), "
+                    "with profiler_active >= 1"
                 )
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             self.profiler = profile(

@@ -32,7 +32,8 @@ class TrainingStopped(RuntimeError):
 class StepGuard(Stateful):
     def __init__(self, cfg: Training, device: torch.device):
         if cfg.spike_guard and (cfg.spike_window < 2 or cfg.spike_sigma <= 0):
-            raise ConfigError(f"training.spike_window must be >= 2 and training.spike_sigma > 0, got {cfg.spike_window} and {cfg.spike_sigma}")
+            raise ConfigError("training.spike_window must be >= 2 and training.spike_sigma > 0, "
+                              f"got {cfg.spike_window} and {cfg.spike_sigma}")
         self.cfg = cfg
         def zero() -> torch.Tensor:
             return torch.zeros((), dtype=torch.int64, device=device)
@@ -59,7 +60,8 @@ class StepGuard(Stateful):
         self.accepted += ~skip
         self.nonfinite += nonfinite
         at_step = torch.full_like(self.last_skipped_step, step)
-        self.first_nonfinite_step = torch.where(nonfinite & (self.first_nonfinite_step == 0), at_step, self.first_nonfinite_step)
+        first_nonfinite = nonfinite & (self.first_nonfinite_step == 0)
+        self.first_nonfinite_step = torch.where(first_nonfinite, at_step, self.first_nonfinite_step)
         self.last_skipped_step = torch.where(skip, at_step, self.last_skipped_step)
         return skip
 
@@ -76,8 +78,8 @@ class StepGuard(Stateful):
             )
         skipped = nonfinite + spikes
         if skipped > self.reported:
-            logger.warning(f"{skipped - self.reported} optimizer step(s) skipped since the last report, the last at step "
-                           f"{last} ({nonfinite} non-finite and {spikes} loss spikes in all)")
+            logger.warning(f"{skipped - self.reported} optimizer step(s) skipped since the last report, "
+                           f"the last at step {last} ({nonfinite} non-finite and {spikes} loss spikes in all)")
             self.reported = skipped
         if 0 <= self.cfg.max_skipped_steps < skipped:
             raise TrainingStopped(

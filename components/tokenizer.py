@@ -87,7 +87,8 @@ class TiktokenTokenizer(Tokenizer):
         # tiktoken caches files by path name; the content's hash makes a stale cached copy miss.
         ranks = load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(Path(path).read_bytes()).hexdigest())
         specials = {token: len(ranks) + i for i, token in enumerate(llama3_special_tokens())}
-        self._encoding = tiktoken.Encoding(Path(path).name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+        self._encoding = tiktoken.Encoding(Path(path).name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                           special_tokens=specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
         self.pad_id = -1
@@ -166,7 +167,9 @@ class HFTokenizer(Tokenizer):
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for every parse error
-            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json the `tokenizers` library reads: {e}") from e
+            raise ValueError(
+                f"{self.path} is not a Hugging Face tokenizer.json the `tokenizers` library reads: {e}"
+            ) from e
         padding = tokenizer.padding
         self._tokenizer = tokenizer
         self._configure()
@@ -202,7 +205,9 @@ class HFTokenizer(Tokenizer):
         if token is not None:
             token_id = self._tokenizer.token_to_id(token) if isinstance(token, str) else None
             if token_id is None:
-                raise ValueError(f"{self.config_path} sets {key} {token!r}, which is not in the vocabulary of {self.path}")
+                raise ValueError(
+                    f"{self.config_path} sets {key} {token!r}, which is not in the vocabulary of {self.path}"
+                )
             return token_id
         for token in well_known:
             token_id = self._tokenizer.token_to_id(token)
@@ -210,7 +215,10 @@ class HFTokenizer(Tokenizer):
                 return token_id
         if not well_known:
             return None
-        where = f"{self.config_path} sets no {key}" if self.config_path else f"there is no tokenizer_config.json next to {self.path}"
+        if self.config_path:
+            where = f"{self.config_path} sets no {key}"
+        else:
+            where = f"there is no tokenizer_config.json next to {self.path}"
         raise ValueError(f"{self.path}: no {key[:3].upper()} token: {where}, and the vocabulary has none of "
                          f"{', '.join(well_known)}; name it as {key} in a tokenizer_config.json next to the file")
 

@@ -42,7 +42,8 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_o
         return
     if mode == "selective" and selective_option != "op":
         if not selective_option.isdigit() or int(selective_option) < 1:
-            raise ValueError(f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {selective_option!r}")
+            raise ValueError("activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
+                             f"got {selective_option!r}")
         every = int(selective_option)
     else:
         every = 1

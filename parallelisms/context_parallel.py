@@ -54,10 +54,17 @@ def _gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     the reduce-scatter that sums every rank's contribution and hands each rank its share."""
     seq_dim = x.dim() - 2
     gathered = DTensor.from_local(x.contiguous(), cp_mesh, [Shard(seq_dim)]).redistribute(cp_mesh, [Replicate()])
-    gathered = gathered.to_local(grad_placements=[Partial()])
-    # Rank order is [chunk 0, chunk 2cp-1, chunk 1, chunk 2cp-2, ...]: the ranks' first chunks
-    # are the first half of the sequence, their second chunks the second half reversed.
-    pairs = gathered.unflatten(seq_dim, (cp_mesh.size(), 2, -1))  # (..., rank, first/second, chunk, head_dim)
+    return zigzag_to_sequence_order(gathered.to_local(grad_placements=[Partial()]), cp_mesh.size())
+
+
+def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """The ranks' zigzag shares (..., cp_size * local_seq, head_dim), concatenated in rank order,
+    put in sequence order.
+
+    Rank order is [chunk 0, chunk 2cp-1, chunk 1, chunk 2cp-2, ...]: the ranks' first chunks are the
+    first half of the sequence, their second chunks the second half reversed."""
+    seq_dim = gathered.dim() - 2
+    pairs = gathered.unflatten(seq_dim, (cp_size, 2, -1))  # (..., rank, first/second, chunk, head_dim)
     first_half, second_half = pairs.select(seq_dim + 1, 0), pairs.select(seq_dim + 1, 1).flip(seq_dim)
     return torch.cat([first_half, second_half], dim=seq_dim).flatten(seq_dim, seq_dim + 1)
 
@@ -74,7 +81,16 @@ def allgather_kv_attention(
     Each of the rank's two query chunks attends only to the keys up to its own end, which is what
     makes the zigzag split balance the work; a boolean mask lets position p see positions <= p."""
     k, v = _gather_sequence(torch.stack([k, v]), cp_mesh)  # one all-gather for both
-    cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank())
+
+
+def zigzag_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """The attention of `allgather_kv_attention` once the keys and values are gathered: rank
+    `cp_rank`'s queries q (batch, n_heads, local_seq, head_dim), at `positions`, to k and v of the
+    whole sequence (batch, n_kv_heads, seq, head_dim). No process group: the memory estimator runs
+    it on fake tensors."""
     chunk = q.shape[2] // 2
     outputs = []
     for q_chunk, q_positions, index in zip(

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import schedules
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, schedules
 
-from components.config import ConfigError
+from components.config import Config, ConfigError
 
 # The schedules a user may name, if the installed torch offers them (`offered_schedules`).
-KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+KNOWN_SCHEDULES = (
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Schedules that need the V-shaped stage-to-rank mapping and exactly two stages per rank."""
 
@@ -67,7 +71,8 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, stages_per_rank: int, v_style
     V style: chunks alternate direction, e.g. with two stages per rank: pp_rank and 2 pp - 1 - pp_rank;
     this is the mapping torch's V schedules expect."""
     if v_style:
-        return [chunk * pp_size + (pp_rank if chunk % 2 == 0 else pp_size - 1 - pp_rank) for chunk in range(stages_per_rank)]
+        return [chunk * pp_size + (pp_rank if chunk % 2 == 0 else pp_size - 1 - pp_rank)
+                for chunk in range(stages_per_rank)]
     return [chunk * pp_size + pp_rank for chunk in range(stages_per_rank)]
 
 
@@ -141,7 +146,8 @@ def build_pipeline_schedule(
         return loss_fn(pred, labels) / scale
 
     try:
-        return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+        return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss,
+                   scale_grads=False)
     except (ValueError, RuntimeError) as e:
         # torch's own checks: e.g. micro-batches not a multiple of the rounds (Interleaved1F1B), or
         # compiled blocks (compile.enable) under the zero-bubble schedules.
@@ -149,3 +155,57 @@ def build_pipeline_schedule(
             f"{SCHEDULE_KEYS} {schedule_name} with {n_microbatches} micro-batches ({MICROBATCH_KEYS}) "
             f"on {pp_size} pipeline ranks: {e}"
         ) from e
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipeline: the schedule that drives its stages, and whether it holds the
+    first stage (which takes the inputs) and the last one (which takes the labels and has the losses)."""
+
+    schedule: schedules._PipelineSchedule
+    has_first_stage: bool
+    has_last_stage: bool
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> list[torch.Tensor]:
+        """Forward (and with `train`, backward) every micro-batch of one batch through the pipeline.
+        Returns the last stage's per-micro-batch losses, scaled as `build_pipeline_schedule` says
+        (their sum is this batch's share of the step's mean loss); other stages get an empty list."""
+        stage_inputs = [inputs] if self.has_first_stage else []
+        target = labels if self.has_last_stage else None
+        losses = [] if self.has_last_stage else None
+        if train:
+            self.schedule.step(*stage_inputs, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(*stage_inputs, target=target, losses=losses)
+        return losses or []
+
+
+def build_pipeline(
+    model_parts: list[nn.Module],
+    stage_ids: list[int],
+    num_stages: int,
+    pp_mesh: DeviceMesh,
+    config: Config,
+    device: torch.device,
+    loss_fn,
+    grad_accum_steps: int = 1,
+) -> Pipeline:
+    """The pipeline running this rank's parts (parallelized and materialized: the PipelineStage
+    objects are built now, so that they wrap exactly the modules that will run) with the schedule
+    and micro-batch size of config.parallelism; `loss_fn` and `grad_accum_steps` as for
+    build_pipeline_schedule."""
+    p = config.parallelism
+    local_batch, mb_size = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
+    if mb_size < 1 or local_batch % mb_size:
+        raise ConfigError(
+            f"training.local_batch_size {local_batch} must be a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size {mb_size}"
+        )
+    group = pp_mesh.get_group()
+    stages = [
+        PipelineStage(part, stage_id, num_stages, device, group=group) for part, stage_id in zip(model_parts, stage_ids)
+    ]
+    n_microbatches = local_batch // mb_size
+    schedule = build_pipeline_schedule(stages, p.pipeline_parallel_schedule, n_microbatches, loss_fn, grad_accum_steps)
+    return Pipeline(schedule, has_first_stage=0 in stage_ids, has_last_stage=num_stages - 1 in stage_ids)
+

@@ -40,17 +40,19 @@ def build_model(args, seed: int = 0):
     return model
 
 
-def read_metrics(dump: Path) -> list[dict]:
+def metric_lines(dump: Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl as written, repeats included (tests check what was
+    written; components.metrics.read_metrics is the reader that keeps one record per step)."""
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(dump: Path) -> dict[int, float]:
     """step -> loss; a resumed run's later entries replace the earlier ones."""
-    return {m["step"]: m["loss"] for m in read_metrics(dump) if "loss" in m}
+    return {m["step"]: m["loss"] for m in metric_lines(dump) if "loss" in m}
 
 
 def val_losses(dump: Path) -> dict[int, float]:
-    return {m["step"]: m["val_loss"] for m in read_metrics(dump) if "val_loss" in m}
+    return {m["step"]: m["val_loss"] for m in metric_lines(dump) if "val_loss" in m}
 
 
 @pytest.fixture
@@ -64,8 +66,10 @@ def train_in_process():
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(REPO / "train.py"), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(REPO / "train.py"), *args]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
-        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(f"torchrun failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

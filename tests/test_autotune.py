@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from components import autotune as at
 from components.config import load_config
+from components.metrics import read_metrics
+from scripts import autotune as at
 
 MODES = ["none", "op", "full"]
 MEMORY = {"none": 1.0, "op": 0.6, "full": 0.3}  # fake GiB per sequence of batch
@@ -37,20 +38,24 @@ class FakeRunner:
 
 def test_candidates_cover_the_space_and_pin_the_global_batch():
     config = load_config(["--job.config_file", "debug_model.toml"])
-    opts, rest = at.parse_args(["--memory-budget-gib", "2", "--job.config_file", "debug_model.toml", "--training.seq_len", "128"])
+    opts, rest = at.parse_args(["--memory-budget-gib", "2", "--job.config_file", "debug_model.toml",
+                                "--training.seq_len", "128"])
     assert rest == ["--job.config_file", "debug_model.toml", "--training.seq_len", "128"]
     s = at.build_space(config, opts, world_size=1)
-    assert s.batch_sizes == [1, 2, 4, 8] and s.ac_modes == MODES and s.compile == [False, True] and s.float8 in ([False], [False, True])
+    assert s.batch_sizes == [1, 2, 4, 8] and s.ac_modes == MODES and s.compile == [False, True]
+    assert s.float8 in ([False], [False, True])
     assert len(s.all()) == 4 * 3 * 2 * len(s.float8)
     assert {c.global_batch for c in s.all()} == {8}  # the configured global batch, only accumulation changes
-    opts, _ = at.parse_args(["--memory-budget-gib", "2", "--max-batch", "16", "--ac-modes", "none,2", "--compile", "off"])
+    opts, _ = at.parse_args(["--memory-budget-gib", "2", "--max-batch", "16", "--ac-modes", "none,2",
+                             "--compile", "off"])
     s = at.build_space(config, opts, world_size=1)
     assert s.batch_sizes == [1, 2, 4, 8, 16] and s.ac_modes == ["none", "2"] and s.compile == [False]
     b16 = s.candidate(16, "2", False, False)
     assert b16.global_batch == -1 and "changes the optimization" in b16.describe(1)
     assert b16.overrides() == [
-        "--training.local_batch_size", "16", "--training.global_batch_size", "-1", "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", "2", "--compile.enable", "false",
+        "--training.local_batch_size", "16", "--training.global_batch_size", "-1",
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
+        "--compile.enable", "false",
     ]
     # Two data-parallel ranks: the global batch 16 pins local batches whose x2 divides it.
     s2 = space(batches=(1, 2, 4, 8, 16), global_batch=16, dp=2)
@@ -98,7 +103,8 @@ def test_search_discards_runs_over_budget_or_failed():
 
 def test_exhaustive_search_runs_every_mode():
     runner = FakeRunner()
-    at.search(space(batches=(1, 2), compile_=(False, True)), 10.0, fake_estimate, runner, exhaustive=True, log=lambda _: None)
+    at.search(space(batches=(1, 2), compile_=(False, True)), 10.0, fake_estimate, runner, exhaustive=True,
+              log=lambda _: None)
     assert len(runner.ran) == 2 * 3 * 2
 
 
@@ -106,9 +112,9 @@ def test_metrics_summary_drops_warmup_and_takes_the_median(tmp_path):
     lines = [{"step": s, "loss": 1.0, "tokens_per_second": tps, "memory_gib": mem}
              for s, tps, mem in [(1, 10, 0.5), (2, 50, 0.7), (3, 100, 0.8), (4, 120, 0.8), (5, 90, 0.9), (6, 110, 0.8)]]
     lines.insert(3, {"step": 3, "val_loss": 2.0, "val_perplexity": 7.4})
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(l) for l in lines) + "\n")
-    records = at.read_metrics(tmp_path / "metrics.jsonl")
-    assert len(records) == 6
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    records, val = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 6 and len(val) == 1
     assert at.summarize(records, warmup=2) == (105, 0.9, 4)
     assert at.summarize(records, warmup=3) == (110, 0.9, 3)
     assert at.summarize(records, warmup=10) == (110, 0.9, 1)  # nothing past warm-up: the last step
@@ -168,5 +174,6 @@ def test_autotune_picks_the_faster_of_two_real_runs(tmp_path, capsys):
     assert speeds[0] >= speeds[1] > 0, report
     fastest_batch = re.search(r"\| 1 \| batch (\d+),", rows[0]).group(1)
     assert f"winner: batch {fastest_batch}, AC none" in report
-    assert re.findall(r"--training.local_batch_size (\d+)", report.split("winner:")[1])[-1] == fastest_batch  # the last one wins
+    winner_batches = re.findall(r"--training.local_batch_size (\d+)", report.split("winner:")[1])
+    assert winner_batches[-1] == fastest_batch  # the last one wins
     assert (tmp_path / "runs" / "b8_ac-none_compile-off" / "metrics.jsonl").exists()

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, TINY
 
 from components.config import ConfigError, Parallelism, load_config
 from components.data.loaders import build_validation_dataloader
 from components.data.packed import build_packed_dataloader
-from components.data.preprocess import main as preprocess
 from components.distributed import ParallelDims
 from components.tokenizer import build_tokenizer
-from conftest import REPO, TINY
+from scripts.preprocess import main as preprocess
 
 TOKENIZERS = REPO / "tests" / "assets" / "tokenizers"
 TOKENIZER = str(TOKENIZERS / "shakespeare_bpe_4k.model")
@@ -24,7 +24,8 @@ TOKENIZER = str(TOKENIZERS / "shakespeare_bpe_4k.model")
 def packed_once(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data") / "packed"
     corpus = REPO / "tests" / "assets" / "shakespeare" / "validation.jsonl"
-    assert preprocess([str(corpus), "--output", str(folder), "--tokenizer", TOKENIZER, "--workers", "0", "--quiet"]) == 0
+    argv = [str(corpus), "--output", str(folder), "--tokenizer", TOKENIZER, "--workers", "0", "--quiet"]
+    assert preprocess(argv) == 0
     return folder
 
 
@@ -77,7 +78,9 @@ def test_trainer_exits_2_on_a_bad_key_or_value(argv, message, train_in_process, 
     (dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), 2,
      "dp_replicate(1) * dp_shard(2) * cp(1) * tp(2) * pp(1) = 4, but 2 processes were started; "
      "the parallelism.*_degree keys must multiply to the world size"),
-    (dict(tensor_parallel_degree=2), 1, "dp_replicate*cp*tp*pp = 2 (the parallelism.*_degree keys) needs a multiple of 2 processes, but 1 were started (NGPU / --nproc_per_node)"),
+    (dict(tensor_parallel_degree=2), 1,
+     "dp_replicate*cp*tp*pp = 2 (the parallelism.*_degree keys) needs a multiple of 2 processes, but 1 were started "
+     "(NGPU / --nproc_per_node)"),
     (dict(pipeline_parallel_degree=0), 1, "parallelism.pipeline_parallel_degree must be >= 1, got 0"),
 ])
 def test_degrees_that_do_not_fit_the_world_size(degrees, world_size, message):
@@ -113,7 +116,8 @@ def test_missing_tokenizer_file():
 
 
 def test_missing_packed_folder_stops_the_trainer(tmp_path, train_in_process, capsys):
-    args = ["--training.dataset", "packed", "--training.dataset_path", "/nonexistent", "--job.dump_folder", str(tmp_path)]
+    args = ["--training.dataset", "packed", "--training.dataset_path", "/nonexistent",
+            "--job.dump_folder", str(tmp_path)]
     assert train_in_process([*TINY, *args]) == 2
     assert error_line(capsys.readouterr().err) == "error: training.dataset_path: /nonexistent does not exist"
 
@@ -128,7 +132,8 @@ def test_missing_hf_files(tmp_path):
     config = load_config(["--validation.dataset_path", str(tmp_path / "val.jsonl")])
     with pytest.raises(FileNotFoundError) as error:
         build_validation_dataloader(config, tokenizer=None, dp_rank=0, dp_size=1)
-    assert str(error.value) == f"validation.dataset_path: no data files at '{tmp_path / 'val.jsonl'}' (JSON/JSONL, text or Parquet)"
+    assert str(error.value) == (f"validation.dataset_path: no data files at '{tmp_path / 'val.jsonl'}' "
+                                "(JSON/JSONL, text or Parquet)")
 
 
 def test_data_tokenized_with_another_tokenizer(packed):
@@ -136,9 +141,9 @@ def test_data_tokenized_with_another_tokenizer(packed):
     with pytest.raises(ValueError) as error:
         load_packed([packed], tokenizer=mistral)
     fingerprint = json.loads((packed / "manifest.json").read_text())["tokenizer"]["fingerprint"]
-    assert str(error.value).startswith(f"training.dataset_path: {packed} was tokenized with {TOKENIZER} ({fingerprint}), "
-                                       f"but model.tokenizer_path is {mistral} (sha256:")
-    assert str(error.value).endswith(f"); re-run python -m components.data.preprocess with --tokenizer {mistral}, "
+    assert str(error.value).startswith(f"training.dataset_path: {packed} was tokenized with {TOKENIZER} "
+                                       f"({fingerprint}), but model.tokenizer_path is {mistral} (sha256:")
+    assert str(error.value).endswith(f"); re-run python -m scripts.preprocess with --tokenizer {mistral}, "
                                      "or set model.tokenizer_path to the data's tokenizer")
 
 
@@ -147,7 +152,7 @@ def test_missing_manifest(packed):
     with pytest.raises(FileNotFoundError) as error:
         load_packed([packed])
     assert str(error.value) == (f"training.dataset_path: {packed} is not a packed dataset: no manifest.json "
-                                "(write one with python -m components.data.preprocess)")
+                                "(write one with python -m scripts.preprocess)")
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -158,7 +163,8 @@ def test_manifest_that_is_not_json(packed, content, problem):
     (packed / "manifest.json").write_text(content)
     with pytest.raises(ValueError) as error:
         load_packed([packed])
-    assert str(error.value) == f"training.dataset_path: {packed / 'manifest.json'}: {problem}; the dataset is damaged, preprocess it again"
+    assert str(error.value) == (f"training.dataset_path: {packed / 'manifest.json'}: {problem}; "
+                                "the dataset is damaged, preprocess it again")
 
 
 @pytest.mark.parametrize("suffix, itemsize", [("bin", 2), ("idx", 8)])
@@ -169,8 +175,8 @@ def test_truncated_shard(packed, suffix, itemsize):
         f.truncate(size - itemsize)
     with pytest.raises(ValueError) as error:
         load_packed([packed])
-    assert str(error.value) == (f"training.dataset_path: {shard}: expected {size} bytes, found {size - itemsize} bytes; "
-                                "the dataset is damaged, preprocess it again")
+    assert str(error.value) == (f"training.dataset_path: {shard}: expected {size} bytes, "
+                                f"found {size - itemsize} bytes; the dataset is damaged, preprocess it again")
 
 
 def test_a_missing_validation_path_fails_at_start_up(tmp_path, train_in_process, capsys):

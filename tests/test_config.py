@@ -41,7 +41,8 @@ def test_later_config_file_wins(tmp_path):
         (["--trainig.steps", "3"], "unknown config section 'trainig' (did you mean training.steps?)"),
         (["--training.steps", "ten"], "training.steps must be int, got 'ten'"),
         (["--checkpoint.enable", "yes"], "checkpoint.enable must be bool, got 'yes'"),
-        (["--checkpoint.async_mode", "fast"], "checkpoint.async_mode must be one of disabled, async, async_with_pinned_mem"),
+        (["--checkpoint.async_mode", "fast"],
+         "checkpoint.async_mode must be one of disabled, async, async_with_pinned_mem"),
         (["--job.config_file", "no_such.toml"], "config file not found: no_such.toml"),
         (["training.steps", "3"], "expected --section.key [value]"),
     ],
@@ -68,7 +69,8 @@ def test_bad_toml_files(tmp_path):
 
 
 def test_dumped_toml_reloads_to_the_same_config(tmp_path):
-    config = load_config(["--job.config_file", "llama3_8b.toml", "--model.n_layers", "2", "--job.description", 'a "quoted" run'])
+    config = load_config(["--job.config_file", "llama3_8b.toml", "--model.n_layers", "2",
+                          "--job.description", 'a "quoted" run'])
     path = tmp_path / "config.toml"
     path.write_text(to_toml(config))
     reloaded = load_config(["--job.config_file", str(path)])
@@ -83,11 +85,14 @@ def test_every_shipped_config_loads():
 
 
 def test_cli_exit_code_and_message():
-    result = subprocess.run([sys.executable, "-m", "components.config", "--training.stepz", "3"], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "components.config", "--training.stepz", "3"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
     assert result.returncode != 0
     assert "did you mean training.steps?" in result.stderr
 
 
 def test_configuration_reference_is_in_step_with_the_code():
     documented = (REPO_ROOT / "docs" / "configuration.md").read_text()
-    assert documented == markdown_reference(), "regenerate: python -m components.config --markdown > docs/configuration.md"
+    assert documented == markdown_reference(), (
+        "regenerate: python -m components.config --markdown > docs/configuration.md"
+    )

@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from models.attention import causal_attention
 from models.llama3 import ModelArgs, Transformer
-from models.llama3.model import causal_attention
 from parallelisms.context_parallel import (
     allgather_kv_attention,
     apply_context_parallel,

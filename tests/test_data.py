@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from components.data.hf import build_hf_dataloader, load_documents
+from components.data.local_files import build_local_files_dataloader, load_documents
 
 
 class ByteTokenizer:
@@ -36,9 +36,15 @@ def batches(loader, n):
     return [next(it) for _ in range(n)]
 
 
+def byte_loader(path, seq_len, local_batch_size, dp_rank=0, dp_size=1):
+    """The loader of one JSON-lines file, tokenized by ByteTokenizer."""
+    return build_local_files_dataloader([str(path)], "text", ByteTokenizer(), seq_len, local_batch_size, dp_rank,
+                                        dp_size)
+
+
 def test_windows_are_the_packed_document_stream(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    loader = build_hf_dataloader([str(path)], "text", ByteTokenizer(), seq_len=9, local_batch_size=2, dp_rank=0, dp_size=1)
+    loader = byte_loader(path, seq_len=9, local_batch_size=2)
     got = torch.cat([b.flatten() for b in batches(loader, 6)]).tolist()
     assert got == stream()[: 6 * 2 * 10]  # 6 batches of 2 windows of seq_len + 1 tokens, across epochs
     assert got[0] == 1 and ByteTokenizer().decode(got[:10]) == "first doc"
@@ -46,8 +52,8 @@ def test_windows_are_the_packed_document_stream(tmp_path):
 
 def test_data_parallel_ranks_take_interleaved_windows(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    single = batches(build_hf_dataloader([str(path)], "text", ByteTokenizer(), 7, 4, 0, 1), 3)
-    per_rank = [batches(build_hf_dataloader([str(path)], "text", ByteTokenizer(), 7, 2, r, 2), 3) for r in range(2)]
+    single = batches(byte_loader(path, 7, 4), 3)
+    per_rank = [batches(byte_loader(path, 7, 2, r, 2), 3) for r in range(2)]
     for step in range(3):
         windows = single[step]
         assert torch.equal(per_rank[0][step], windows[0::2]) and torch.equal(per_rank[1][step], windows[1::2])
@@ -56,19 +62,18 @@ def test_data_parallel_ranks_take_interleaved_windows(tmp_path):
 @pytest.mark.parametrize("resume_dp_size", [1, 2, 4])
 def test_resume_continues_the_global_stream_under_any_dp_degree(tmp_path, resume_dp_size):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    make = lambda rank, size, batch: build_hf_dataloader([str(path)], "text", ByteTokenizer(), 5, batch, rank, size)
-    reference = torch.cat(batches(make(0, 1, 4), 7))  # 7 global batches of 4 windows
-    loaders = [make(r, 2, 2) for r in range(2)]
-    iters = [iter(l) for l in loaders]
+    reference = torch.cat(batches(byte_loader(path, 5, 4), 7))  # 7 global batches of 4 windows
+    loaders = [byte_loader(path, 5, 2, r, 2) for r in range(2)]
+    iters = [iter(loader) for loader in loaders]
     for _ in range(3):
         for it in iters:
             next(it)
-    states = [l.state_dict() for l in loaders]
+    states = [loader.state_dict() for loader in loaders]
     assert states[0] == states[1]  # the position is global, the same on every rank
-    resumed = [make(r, resume_dp_size, 4 // resume_dp_size) for r in range(resume_dp_size)]
+    resumed = [byte_loader(path, 5, 4 // resume_dp_size, r, resume_dp_size) for r in range(resume_dp_size)]
     for loader in resumed:
         loader.load_state_dict(states[0])
-    got = [batches(l, 4) for l in resumed]
+    got = [batches(loader, 4) for loader in resumed]
     for step in range(4):
         rows = torch.stack([w for r in range(resume_dp_size) for w in got[r][step]])
         order = [i * resume_dp_size + r for r in range(resume_dp_size) for i in range(4 // resume_dp_size)]

@@ -6,12 +6,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY, build_model, losses, tiny_model_args
 from torch.nn.attention.flex_attention import flex_attention
 
+import models.attention as attention
 import models.llama3.model as llama
 from components.data.documents import document_ids, document_positions
-from conftest import TINY, build_model, losses, tiny_model_args
-from models.llama3.model import ModelArgs, apply_rope
+from models.attention import apply_rope
+from models.llama3.model import ModelArgs
 
 BOS, EOS, VOCAB = 1, 2, 128
 
@@ -166,7 +168,7 @@ def test_plain_path_keeps_the_swappable_sdpa_and_document_masking_bypasses_it():
 
     def spy(q, k, v):
         calls.append(q.shape)
-        return llama.causal_attention(q, k, v)
+        return attention.causal_attention(q, k, v)
 
     tokens = torch.randint(3, VOCAB, (2, 12))
     expected = model(tokens)
@@ -188,10 +190,10 @@ def test_document_masking_refuses_context_parallel_positions():
 
 
 def test_cpu_takes_the_dense_mask_and_cuda_takes_flex_attention():
-    assert not llama.use_flex_attention(torch.device("cpu"))
-    assert llama.use_flex_attention(torch.device("cuda"))
+    assert not attention.use_flex_attention(torch.device("cpu"))
+    assert attention.use_flex_attention(torch.device("cuda"))
     ids = torch.tensor([[0, 0, 1, 1]])
-    mask = llama.document_mask(ids, flex=False)
+    mask = attention.document_mask(ids, flex=False)
     assert mask.shape == (1, 1, 4, 4)
     assert mask[0, 0].tolist() == [
         [True, False, False, False],
@@ -209,14 +211,14 @@ def test_flex_attention_path_matches_the_dense_mask_on_cpu(monkeypatch):
     ids = document_ids(window, EOS)
     with torch.no_grad():
         dense = model(window, document_ids=ids)
-        monkeypatch.setattr(llama, "use_flex_attention", lambda device: True)
+        monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
         calls = []
 
         def eager_flex_attention(*args, **kwargs):
             calls.append(kwargs["block_mask"])
             return flex_attention(*args, **kwargs)
 
-        monkeypatch.setattr(llama, "compiled_flex_attention", eager_flex_attention)
+        monkeypatch.setattr(attention, "compiled_flex_attention", eager_flex_attention)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
             flex = model(window, document_ids=ids)

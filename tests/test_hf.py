@@ -12,12 +12,13 @@ import torch.distributed.checkpoint as dcp
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import REPO, TINY, build_model, losses, torchrun  # noqa: E402
+
 import models.llama3 as llama  # noqa: E402
-from components import hf  # noqa: E402
 from components.checkpoint import ModelState  # noqa: E402
 from components.config import load_config  # noqa: E402
-
-from conftest import REPO, TINY, build_model, losses, torchrun  # noqa: E402
+from components.hf import load_hf_model, load_hf_weights, read_hf_weights  # noqa: E402
+from scripts import hf as converter  # noqa: E402
 
 VOCAB = 4096  # tests/assets/tokenizers/shakespeare_bpe_4k.model, which TINY uses
 # An ingot config and an HF LlamaConfig of the same small model: GQA, Llama 3.1 RoPE scaling, an FFN
@@ -65,20 +66,20 @@ def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 def ingot_model(argv: list[str], checkpoint: Path) -> torch.nn.Module:
     """The model of an ingot config with the weights of a DCP checkpoint."""
     model = build_model(llama.build_model_args(load_config(argv), VOCAB))
-    with hf.one_process():
+    with converter.one_process():
         dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint), no_dist=True)
     return model.eval()
 
 
 def run_hf(*argv) -> None:
-    assert hf.main([str(a) for a in argv]) == 0
+    assert converter.main([str(a) for a in argv]) == 0
 
 
 @pytest.mark.slow
 def test_export_of_a_trained_checkpoint_gives_transformers_the_same_logits(tmp_path, train_in_process):
     dump = tmp_path / "run"
-    assert train_in_process([*TINY, "--training.steps", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-                             "--job.dump_folder", str(dump)]) == 0
+    assert train_in_process([*TINY, "--training.steps", "3", "--checkpoint.enable", "true",
+                             "--checkpoint.interval", "3", "--job.dump_folder", str(dump)]) == 0
     checkpoint = dump / "checkpoint" / "step-3"
     run_hf("export", *TINY, "--checkpoint", checkpoint, "--output", tmp_path / "hf")
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
@@ -94,7 +95,8 @@ def test_export_of_a_trained_checkpoint_gives_transformers_the_same_logits(tmp_p
     run_hf("export", *TINY, "--checkpoint", checkpoint, "--output", tmp_path / "sharded", "--max-shard-gb", "0.002")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    assert torch.equal(transformers_logits(tmp_path / "sharded", token_ids()), transformers_logits(tmp_path / "hf", token_ids()))
+    assert torch.equal(transformers_logits(tmp_path / "sharded", token_ids()),
+                       transformers_logits(tmp_path / "hf", token_ids()))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -104,17 +106,18 @@ def test_random_hf_llama_imports_with_the_same_logits(tmp_path, tie):
     source = hf_llama(tmp_path / "hf", tie=tie)
     reference = transformers_logits(source, token_ids())
     with torch.no_grad():
-        loaded = hf.load_hf_model(source)(token_ids())
+        loaded = load_hf_model(source)(token_ids())
     tie_flag = ["--model.tie_embeddings", "true"] if tie else []
     run_hf("import", *SMALL, *tie_flag, "--hf", source, "--output", tmp_path / "dcp")
     with torch.no_grad():
         imported = ingot_model([*SMALL, *tie_flag], tmp_path / "dcp")(token_ids())
     errors = relative_error(loaded, reference), relative_error(imported, reference)
-    print(f"\nrandom HF Llama ({'tied' if tie else 'untied'}) vs ingot logits: load_hf_model {errors[0]:.2e}, import {errors[1]:.2e}")
+    print(f"\nrandom HF Llama ({'tied' if tie else 'untied'}) vs ingot logits: "
+          f"load_hf_model {errors[0]:.2e}, import {errors[1]:.2e}")
     assert max(errors) < 1e-4
 
     # The test is sensitive to RoPE and its scaling: without the scaling the logits move far more.
-    plain = hf.load_hf_model(source)
+    plain = load_hf_model(source)
     plain.rope.copy_(llama.model.rope_frequencies(llama.ModelArgs(**(vars(plain.args) | {"use_rope_scaling": False}))))
     with torch.no_grad():
         assert relative_error(plain(token_ids()), reference) > 1e-3
@@ -126,19 +129,22 @@ def test_round_trip_hf_to_ingot_to_hf_is_bit_exact(tmp_path, tie):
     tie_flag = ["--model.tie_embeddings", "true"] if tie else []
     run_hf("import", *SMALL, *tie_flag, "--hf", source, "--output", tmp_path / "dcp")
     run_hf("export", *SMALL, *tie_flag, "--checkpoint", tmp_path / "dcp", "--output", tmp_path / "back")
-    before, after = hf.read_hf_weights(source), hf.read_hf_weights(tmp_path / "back")
+    before, after = read_hf_weights(source), read_hf_weights(tmp_path / "back")
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    config = lambda folder: transformers.AutoConfig.from_pretrained(folder).to_dict() | {"transformers_version": None, "_name_or_path": None}
+    def config(folder):
+        ignored = {"transformers_version": None, "_name_or_path": None}
+        return transformers.AutoConfig.from_pretrained(folder).to_dict() | ignored
     assert config(tmp_path / "back") == config(source)
 
 
 def test_mismatched_config_names_the_field(tmp_path, capsys):
     source = hf_llama(tmp_path / "hf")
-    assert hf.main(["import", *SMALL, "--model.n_layers", "3", "--hf", str(source), "--output", str(tmp_path / "dcp")]) == 2
+    assert converter.main(["import", *SMALL, "--model.n_layers", "3", "--hf", str(source),
+                           "--output", str(tmp_path / "dcp")]) == 2
     error = capsys.readouterr().err
     assert "num_hidden_layers = 2" in error and "model.n_layers" in error, error
-    assert hf.main(["import", *TINY, "--hf", str(source), "--output", str(tmp_path / "dcp")]) == 2
+    assert converter.main(["import", *TINY, "--hf", str(source), "--output", str(tmp_path / "dcp")]) == 2
     assert "hidden_size" in capsys.readouterr().err
 
 
@@ -147,9 +153,9 @@ def test_sharded_loader_casts_bf16_files_into_the_model(tmp_path):
     source = hf_llama(tmp_path / "hf", dtype=torch.bfloat16)
     args = llama.build_model_args(load_config(SMALL), VOCAB)
     model = build_model(args)
-    with hf.one_process():
-        hf.load_hf_weights(source, [model], llama, args)
-    stored = llama.from_hf(hf.read_hf_weights(source), args)
+    with converter.one_process():
+        load_hf_weights(source, [model], llama, args)
+    stored = llama.from_hf(read_hf_weights(source), args)
     assert all(p.dtype == torch.float32 and torch.equal(p, stored[k].float()) for k, p in model.state_dict().items())
 
 
@@ -167,7 +173,7 @@ def test_export_from_a_checkpoint_saved_by_two_processes_equals_one_process(tmp_
     assert len(list(sharded.glob("*.distcp"))) == 2
     run_hf("export", *TINY, "--checkpoint", seed / "checkpoint" / "step-0", "--output", tmp_path / "from_one")
     run_hf("export", *TINY, "--checkpoint", sharded, "--output", tmp_path / "from_two")
-    one, two = hf.read_hf_weights(tmp_path / "from_one"), hf.read_hf_weights(tmp_path / "from_two")
+    one, two = read_hf_weights(tmp_path / "from_one"), read_hf_weights(tmp_path / "from_two")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
@@ -179,11 +185,12 @@ LLAMA31_8B = {
     "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
     "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "use_cache": True, "vocab_size": 128256,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                     "rope_type": "llama3"},
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
 }
 LLAMA32_1B = LLAMA31_8B | {
-    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+    "tie_word_embeddings": True,
     "rope_scaling": LLAMA31_8B["rope_scaling"] | {"factor": 32.0},
 }
 
@@ -198,14 +205,14 @@ def test_published_configs_map_to_flavors_and_back():
 
 def test_export_copies_the_tokenizer_when_transformers_can_load_it(tmp_path, caplog):
     assets = REPO / "tests" / "assets" / "tokenizers"
-    hf.copy_tokenizer(assets / "mistral_v1.model", tmp_path)
+    converter.copy_tokenizer(assets / "mistral_v1.model", tmp_path)
     assert (tmp_path / "tokenizer.model").read_bytes() == (assets / "mistral_v1.model").read_bytes()
     (tmp_path / "mine.json").write_text("{}")
-    hf.copy_tokenizer(tmp_path / "mine.json", tmp_path)
+    converter.copy_tokenizer(tmp_path / "mine.json", tmp_path)
     assert (tmp_path / "tokenizer.json").read_text() == "{}"
-    caplog.set_level("INFO", logger="components.hf")
+    caplog.set_level("INFO", logger="scripts.hf")
     (tmp_path / "tiktoken").mkdir()
-    hf.copy_tokenizer(assets / "gpt2.tiktoken", tmp_path / "tiktoken")
+    converter.copy_tokenizer(assets / "gpt2.tiktoken", tmp_path / "tiktoken")
     assert not list((tmp_path / "tiktoken").iterdir()) and "no tokenizer written" in caplog.text
 
 
@@ -214,8 +221,10 @@ def test_training_from_an_hf_folder_starts_alike_on_one_and_two_processes(tmp_pa
     """--checkpoint.initial_load_path HFDIR: FSDP x2 ranks each read their shards, pipeline stages
     (PP x2) only their own weights; the first loss is that of one process."""
     source = hf_llama(tmp_path / "hf")
-    common = [*SMALL, "--training.steps", "1", "--training.global_batch_size", "8", "--checkpoint.initial_load_path", str(source)]
-    assert train_in_process([*common, "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "one")]) == 0
+    common = [*SMALL, "--training.steps", "1", "--training.global_batch_size", "8",
+              "--checkpoint.initial_load_path", str(source)]
+    assert train_in_process([*common, "--training.local_batch_size", "8",
+                             "--job.dump_folder", str(tmp_path / "one")]) == 0
     first = losses(tmp_path / "one")[1]
     layouts = {
         "fsdp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"],
@@ -227,6 +236,7 @@ def test_training_from_an_hf_folder_starts_alike_on_one_and_two_processes(tmp_pa
         assert losses(tmp_path / name)[1] == pytest.approx(first, rel=1e-5), name
     # The same weights through the import command and a DCP checkpoint.
     run_hf("import", *SMALL, "--hf", source, "--output", tmp_path / "dcp")
-    assert train_in_process([*common, "--training.local_batch_size", "8", "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
+    assert train_in_process([*common, "--training.local_batch_size", "8",
+                             "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
                              "--job.dump_folder", str(tmp_path / "imported")]) == 0
     assert losses(tmp_path / "imported")[1] == first

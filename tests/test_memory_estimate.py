@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO
 
-from components import memory_estimate as me
+import scripts.memory_estimate as me
 from components.config import load_config
 from components.metrics import peak_rss_bytes
-from conftest import REPO
+from scripts.memory_estimate.__main__ import main as estimate_main
 
 GiB = 2**30
 # The debug model cut down: a real run of it takes seconds, and its tensors are still a good part of
@@ -98,7 +99,8 @@ def test_parameters_per_rank_match_the_real_parallelized_model(layout):
 
 
 def test_activations_grow_linearly_with_batch_and_drop_with_checkpointing():
-    acts = {b: estimate("--training.local_batch_size", str(b), "--training.seq_len", "128").saved_activations for b in (2, 4, 8)}
+    acts = {b: estimate("--training.local_batch_size", str(b), "--training.seq_len", "128").saved_activations
+            for b in (2, 4, 8)}
     assert acts[4] == pytest.approx(2 * acts[2], rel=1e-3)
     assert acts[8] == pytest.approx(2 * acts[4], rel=1e-3)
     by_mode = {
@@ -113,13 +115,15 @@ def test_activations_grow_linearly_with_batch_and_drop_with_checkpointing():
     assert by_mode["full"] < 0.3 * by_mode["none"]
 
 
-@pytest.mark.parametrize("ac", [("none", "2"), ("full", "2"), ("selective", "op"), ("selective", "2"), ("selective", "3")])
+@pytest.mark.parametrize("ac", [("none", "2"), ("full", "2"), ("selective", "op"), ("selective", "2"),
+                                ("selective", "3")])
 @pytest.mark.parametrize("stage", [{}, {"first": False}, {"last": False}])
 def test_simulating_a_few_blocks_gives_the_whole_model(ac, stage):
     """The blocks left out of the simulation are added exactly (identical blocks)."""
     from models import llama3
 
-    args = llama3.build_model_args(load_config(["--job.config_file", "debug_model.toml", "--model.n_layers", "11"]), 4096)
+    config = load_config(["--job.config_file", "debug_model.toml", "--model.n_layers", "11"])
+    args = llama3.build_model_args(config, 4096)
     kwargs = dict(batch=2, seq=32, dtype=torch.float32, ac_mode=ac[0], ac_option=ac[1], **stage)
     whole = me.simulate_micro_batch(llama3, args, simulate_blocks=11, **kwargs)
     few = me.simulate_micro_batch(llama3, args, **kwargs)
@@ -127,7 +131,9 @@ def test_simulating_a_few_blocks_gives_the_whole_model(ac, stage):
     assert few.saved == whole.saved
     assert few.block_grad_bytes == whole.block_grad_bytes
     for weights in ((1, 1, 1), (1, 0, 0), (1, 1, 0.25)):
-        peak = lambda sim: max(o * weights[0] + r * weights[1] + b * weights[2] for o, r, b in sim.samples)
+        def peak(sim, weights=weights):
+            return max(o * weights[0] + r * weights[1] + b * weights[2] for o, r, b in sim.samples)
+
         assert peak(few) == peak(whole)
 
 
@@ -147,11 +153,29 @@ def test_parallel_layouts_shrink_what_they_split():
 
 
 def test_cli_prints_the_breakdown(capsys):
-    assert me.main(["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--target", "cuda",
-                    "--training.mixed_precision_param", "bfloat16", "--world-size", "2"]) == 0
+    assert estimate_main(["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--target", "cuda",
+                          "--training.mixed_precision_param", "bfloat16", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "dp_shard=2" in out and "total" in out and "activations (saved for backward)" in out
-    assert me.main(["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "3", "--world-size", "2"]) == 2
+
+
+def test_the_commands_in_the_memory_estimate_doc_print_a_breakdown(capsys):
+    doc = (REPO / "docs" / "memory_estimate.md").read_text()
+    commands = re.findall(r"^python -m scripts\.memory_estimate (.+)$", doc, re.M)
+    assert len(commands) == 2
+    for command in commands:
+        assert estimate_main(command.split()) == 0, command
+        assert re.search(r"^\s+total\s+[0-9.]+ GiB", capsys.readouterr().out, re.M), command
+
+
+def test_cli_rejects_a_layout_that_does_not_fit_the_world_size_and_a_bad_world_size(capsys):
+    assert estimate_main(["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "3",
+                          "--world-size", "2"]) == 2
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_main(["--job.config_file", "debug_model.toml", "--world-size", "0"])
+    assert exit_info.value.code == 2
+    assert "--world-size: must be a positive integer, got '0'" in capsys.readouterr().err
 
 
 def test_llama3_8b_estimate_is_fast_plausible_and_allocates_nothing():
@@ -179,7 +203,7 @@ def test_estimate_is_within_20_percent_of_a_real_cpu_run(tmp_path):
     assert train.returncode == 0, train.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["memory_gib"] for r in records)
-    cli = subprocess.run([sys.executable, "-m", "components.memory_estimate", *SMALL], cwd=REPO, capture_output=True,
+    cli = subprocess.run([sys.executable, "-m", "scripts.memory_estimate", *SMALL], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     estimated = float(re.search(r"^\s+total\s+([0-9.]+) GiB", cli.stdout, re.M).group(1))

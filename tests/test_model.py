@@ -2,12 +2,12 @@ import math
 
 import torch
 import torch.nn.functional as F
+from conftest import build_model, tiny_model_args
 
 from components.config import load_config
+from models.attention import apply_rope
 from models.llama3 import Transformer, build_model_args, flavors
-from models.llama3.model import apply_rope, rope_frequencies
-
-from conftest import build_model, tiny_model_args
+from models.llama3.model import rope_frequencies
 
 
 def test_forward_shape_and_causality():
@@ -62,14 +62,16 @@ def test_rope_rotates_halves_and_keeps_norms():
     assert torch.allclose(rotated, torch.cat([expected.real, expected.imag], dim=-1), atol=1e-5)
     # Relative positions: <q_m, k_n> depends on m - n only.
     q, k = torch.randn(args.head_dim), torch.randn(args.head_dim)
-    at = lambda v, pos: apply_rope(v.expand(1, 8, 1, -1).contiguous(), rope[:8])[0, pos, 0]
+    def at(v, pos):
+        return apply_rope(v.expand(1, 8, 1, -1).contiguous(), rope[:8])[0, pos, 0]
     assert torch.allclose(at(q, 5) @ at(k, 3), at(q, 4) @ at(k, 2), atol=1e-5)
 
 
 def test_llama31_rope_scaling_slows_only_low_frequencies():
     plain = rope_frequencies(tiny_model_args(rope_theta=500000.0, max_seq_len=2))
     scaled = rope_frequencies(tiny_model_args(rope_theta=500000.0, max_seq_len=2, use_rope_scaling=True))
-    angle = lambda r: torch.atan2(r[1, :, 1], r[1, :, 0])
+    def angle(r):
+        return torch.atan2(r[1, :, 1], r[1, :, 0])
     assert torch.allclose(angle(plain)[:2], angle(scaled)[:2])  # the highest frequencies are kept
     assert torch.allclose(angle(scaled)[-1], angle(plain)[-1] / 8, rtol=1e-4)  # the lowest are divided by 8
 
@@ -83,7 +85,8 @@ def test_flavors_have_published_sizes():
 
 
 def test_cli_overrides_model_shape():
-    config = load_config(["--model.n_layers", "3", "--model.dim", "128", "--model.n_heads", "8", "--model.n_kv_heads", "2"])
+    config = load_config(["--model.n_layers", "3", "--model.dim", "128", "--model.n_heads", "8",
+                          "--model.n_kv_heads", "2"])
     args = build_model_args(config, vocab_size=100)
     assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.vocab_size) == (3, 128, 8, 2, 100)
     assert args.max_seq_len == config.training.seq_len

@@ -5,21 +5,21 @@ import math
 
 import pytest
 import torch
+from conftest import TINY, metric_lines, torchrun
 
 from components.metrics import peak_flops
-from conftest import TINY, read_metrics, torchrun
 
 pytestmark = pytest.mark.slow
 
 
 def layer_records(dump) -> dict[int, dict]:
-    return {m["step"]: m["layers"] for m in read_metrics(dump) if "layers" in m}
+    return {m["step"]: m["layers"] for m in metric_lines(dump) if "layers" in m}
 
 
 def test_profiler_writes_a_chrome_trace_per_window(tmp_path, train_in_process, capsys):
     args = [*TINY, "--training.steps", "4", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
-            "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1", "--profiling.enable_memory_snapshot", "true",
-            "--job.dump_folder", str(tmp_path)]
+            "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1",
+            "--profiling.enable_memory_snapshot", "true", "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 0
     for step in (2, 4):
         trace = json.loads((tmp_path / "profile_traces" / f"step-{step}" / "rank0_trace.json").read_text())
@@ -28,10 +28,11 @@ def test_profiler_writes_a_chrome_trace_per_window(tmp_path, train_in_process, c
 
 
 def test_impossible_profiler_window_is_refused(tmp_path, train_in_process, capsys):
-    args = [*TINY, "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "2",
-            "--job.dump_folder", str(tmp_path)]
+    args = [*TINY, "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
+            "--profiling.profiler_warmup", "2", "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 2
-    assert "profiling.profile_freq (2) must be at least profiler_warmup (2) + profiler_active (1)" in capsys.readouterr().err
+    expected = "profiling.profile_freq (2) must be at least profiler_warmup (2) + profiler_active (1)"
+    assert expected in capsys.readouterr().err
 
 
 PER_LAYER = [*TINY, "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.per_layer", "true"]

@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from components.config import LRScheduler
-from components.config import Optimizer as OptimizerConfig
+from components.config import LRScheduler, Optimizer as OptimizerConfig
 from components.optim import LRSchedule, Optimizers, lr_factor
 
 

@@ -32,7 +32,8 @@ def make_folder(path: Path, first_token: int = 0, train_tokens: int = 201, valid
         shards = writer.close()
         splits[split] = {"documents": sum(s["documents"] for s in shards), "tokens": count, "shards": shards}
         streams[split] = torch.from_numpy(stream.astype(np.int64))
-    tokenizer = {"path": TOKENIZER, "fingerprint": tokenizer_fingerprint(TOKENIZER), "vocab_size": 4096, "bos_id": 1, "eos_id": 2}
+    tokenizer = {"path": TOKENIZER, "fingerprint": tokenizer_fingerprint(TOKENIZER), "vocab_size": 4096,
+                 "bos_id": 1, "eos_id": 2}
     write_manifest(path, {"dtype": "uint16", "tokenizer": tokenizer, "splits": splits})
     return streams
 
@@ -45,8 +46,9 @@ def folder(tmp_path):
 
 
 def loader(paths, local_batch_size=3, dp_rank=0, dp_size=1, seed=0, num_workers=0, split="train", shuffle=True):
-    return build_packed_dataloader(paths if isinstance(paths, list) else [paths], split, TOKENIZER, SEQ, local_batch_size,
-                                   dp_rank, dp_size, seed, num_workers, shuffle)
+    paths = paths if isinstance(paths, list) else [paths]
+    return build_packed_dataloader(paths, split, TOKENIZER, SEQ, local_batch_size, dp_rank, dp_size, seed, num_workers,
+                                   shuffle)
 
 
 def take(data, batches: int) -> list[torch.Tensor]:
@@ -66,7 +68,8 @@ def test_feistel_is_a_deterministic_permutation(n):
 
 
 def test_feistel_differs_across_epochs_and_seeds():
-    orders = {tuple(FeistelPermutation(1000, seed, epoch)(i) for i in range(1000)) for seed, epoch in [(0, 0), (0, 1), (1, 0), (1, 1)]}
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    orders = {tuple(FeistelPermutation(1000, seed, epoch)(i) for i in range(1000)) for seed, epoch in keys}
     assert len(orders) == 4 and tuple(range(1000)) not in orders
     assert len({tuple(FeistelPermutation(2, 0, epoch)(i) for i in range(2)) for epoch in range(20)}) == 2
 
@@ -143,7 +146,8 @@ def test_resume_under_another_data_parallel_degree(folder):
 
 
 def test_blend_is_deterministic_proportional_and_reads_each_folder(tmp_path):
-    streams = [make_folder(tmp_path / "a", train_tokens=193)["train"], make_folder(tmp_path / "b", first_token=30000, train_tokens=377)["train"]]
+    streams = [make_folder(tmp_path / "a", train_tokens=193)["train"],
+               make_folder(tmp_path / "b", first_token=30000, train_tokens=377)["train"]]
     paths = [f"{tmp_path / 'a'}:3", f"{tmp_path / 'b'}:1"]
     samples = [s for batch in take(loader(paths, local_batch_size=100), 100) for s in batch]
     per_folder = [Counter(), Counter()]
@@ -154,9 +158,11 @@ def test_blend_is_deterministic_proportional_and_reads_each_folder(tmp_path):
         per_folder[d][window] += 1
     assert abs(sum(per_folder[0].values()) / len(samples) - 0.75) < 0.01
     # Each folder's own samples 0, 1, 2, ... : every window equally often, up to the epoch in progress.
-    assert [max(c.values()) - min(c.values()) for c in per_folder] == [1, 1] and [len(c) for c in per_folder] == [24, 47]
+    assert [max(c.values()) - min(c.values()) for c in per_folder] == [1, 1]
+    assert [len(c) for c in per_folder] == [24, 47]
     again = take(loader(paths, local_batch_size=100), 3)
-    assert all(torch.equal(a, b) for a, b in zip(again, [torch.stack(samples[i * 100 : i * 100 + 100]) for i in range(3)]))
+    first_batches = [torch.stack(samples[i * 100 : i * 100 + 100]) for i in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(again, first_batches))
 
 
 def test_parse_path():

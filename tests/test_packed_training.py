@@ -4,9 +4,9 @@ exactly, also under another data-parallel degree."""
 import shutil
 
 import pytest
-
-from components.data.preprocess import main as preprocess
 from conftest import REPO, TINY, losses, torchrun, val_losses
+
+from scripts.preprocess import main as preprocess
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,9 @@ def packed(tmp_path_factory):
 
 
 def packed_args(folder, steps):
-    return [*TINY, "--training.dataset", "packed", "--training.dataset_path", str(folder), "--training.steps", str(steps),
-            "--training.dataloader_workers", "1", "--validation.enable", "true", "--validation.dataset_path", str(folder),
+    return [*TINY, "--training.dataset", "packed", "--training.dataset_path", str(folder),
+            "--training.steps", str(steps), "--training.dataloader_workers", "1",
+            "--validation.enable", "true", "--validation.dataset_path", str(folder),
             "--validation.freq", "3", "--validation.steps", "2"]
 
 

@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import TINY, losses, torchrun, val_losses
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,8 @@ LAYOUTS = {
     "hsdp_2x2": layout(dp_replicate=2, dp_shard=2),
     "dp_shard4_never_reshard": layout(dp_shard=4, extra=["--parallelism.fsdp_reshard_after_forward", "never"]),
     "pp2_dp_shard2": layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]),
-    "pp2_dp_shard2_interleaved": layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_dp_shard2_interleaved": layout(pp=2, dp_shard=2,
+                                        extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "pp2_tp2": layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
     "cp2_dp_shard2": layout(cp=2, dp_shard=2),
     "cp2_tp2": layout(cp=2, tp=2),
@@ -81,11 +81,13 @@ def test_layout_matches_one_process(name, reference, tmp_path):
 def test_checkpoint_saved_under_fsdp4_resumes_under_tp2_pp2(reference, tmp_path):
     """DCP reshards on load and the data position is global: the loss curve continues."""
     nproc, fsdp4 = layout(dp_shard=4)
-    torchrun(nproc, [*BASE, *fsdp4, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)])
+    torchrun(nproc, [*BASE, *fsdp4, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+                     "--job.dump_folder", str(tmp_path)])
     shutil.rmtree(tmp_path / "checkpoint" / f"step-{STEPS}")
     (tmp_path / "metrics.jsonl").write_text("")
     nproc, tp2_pp2 = layout(tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"])
-    torchrun(nproc, [*BASE, *tp2_pp2, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)])
+    torchrun(nproc, [*BASE, *tp2_pp2, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+                     "--job.dump_folder", str(tmp_path)])
     got, expected = losses(tmp_path), losses(reference)
     assert sorted(got) == list(range(4, STEPS + 1))
     for step in got:

@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from components.config import Config, ConfigError
 from models.llama3 import ModelArgs, Transformer
-from models.llama3.pipeline import build_llama_schedule, pipeline_module_names, split_llama
+from models.llama3.pipeline import pipeline_module_names, split_llama
 from parallelisms.pipeline import (
+    build_pipeline,
     check_microbatches,
     is_multi_stage,
     is_v_style,
@@ -91,7 +92,9 @@ def test_schedule_kinds():
 
 
 def test_too_few_microbatches_names_the_settings():
-    with pytest.raises(ConfigError, match=r"1F1B needs at least 4 micro-batches.*training\.local_batch_size / parallelism\.pipeline_parallel_microbatch_size gives 2"):
+    expected = (r"1F1B needs at least 4 micro-batches.*"
+                r"training\.local_batch_size / parallelism\.pipeline_parallel_microbatch_size gives 2")
+    with pytest.raises(ConfigError, match=expected):
         check_microbatches("1F1B", 2, pp_size=4, num_stages=4)
     check_microbatches("GPipe", 1, pp_size=4, num_stages=4)
 
@@ -143,8 +146,9 @@ def test_split_llama_refuses_tied_embeddings():
 
 
 def test_local_batch_must_be_a_multiple_of_the_microbatch():
-    with pytest.raises(ConfigError, match=r"training\.local_batch_size 8 must be a multiple of parallelism\.pipeline_parallel_microbatch_size 3"):
-        build_llama_schedule([], [0], 2, fake_mesh(2, 0), make_config("GPipe", microbatch=3), torch.device("cpu"), None)
+    expected = r"training\.local_batch_size 8 must be a multiple of parallelism\.pipeline_parallel_microbatch_size 3"
+    with pytest.raises(ConfigError, match=expected):
+        build_pipeline([], [0], 2, fake_mesh(2, 0), make_config("GPipe", microbatch=3), torch.device("cpu"), None)
 
 
 # --- Every schedule on 2 gloo processes -------------------------------------------------------
@@ -174,16 +178,15 @@ def compare_schedule(name: str, pp_mesh) -> list[str]:
     for label, local_batch, microbatch, accum in (("one step", 8, 2, 1), ("accumulated", 4, 1, 2)):
         for part in parts:
             part.zero_grad(set_to_none=True)
-        schedule = build_llama_schedule(
+        pipeline = build_pipeline(
             parts, stage_ids, num_stages, pp_mesh, make_config(name, local_batch, microbatch), cpu, cross_entropy, accum
         )
+        assert (pipeline.has_first_stage, pipeline.has_last_stage) == (first, last)
         reported = torch.zeros(())
         for i in range(accum):
             chunk = slice(i * local_batch, (i + 1) * local_batch)
-            losses = [] if last else None
-            schedule.step(
-                *([inputs[chunk]] if first else []), target=labels[chunk] if last else None, losses=losses, return_outputs=False
-            )
+            losses = pipeline.run(inputs[chunk], labels[chunk], train=True)
+            assert bool(losses) == last
             if last:
                 reported += torch.stack(losses).detach().sum()
         dist.all_reduce(reported, group=pp_mesh.get_group())  # only the last stage has it

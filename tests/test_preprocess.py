@@ -1,4 +1,4 @@
-"""The preprocessing CLI (components/data/preprocess.py): packed output, determinism, bad lines, inputs."""
+"""The preprocessing CLI (scripts/preprocess): packed output, determinism, bad lines, inputs."""
 
 import gzip
 import json
@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.data import preprocess
-from components.data.packed_format import PackedSplit, file_sha256, read_manifest
+from components.data.packed_format import PackedSplit, ShardWriter, file_sha256, read_manifest
 from components.tokenizer import build_tokenizer
+from scripts.preprocess import main
+from scripts.preprocess.split import validation_mask
+from scripts.preprocess.workers import Encoder
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = str(REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model")
@@ -41,7 +43,7 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 
 def run(*argv, tokenizer: str = TOKENIZER) -> int:
     """The CLI in this process, tokenizing in the main process (--workers 0) for speed."""
-    return preprocess.main([*map(str, argv), "--tokenizer", tokenizer, "--workers", "0", "--quiet"])
+    return main([*map(str, argv), "--tokenizer", tokenizer, "--workers", "0", "--quiet"])
 
 
 def documents(folder: Path, split: str = "train") -> list[list[int]]:
@@ -58,8 +60,8 @@ def test_output_is_byte_identical_whatever_the_number_of_workers(tmp_path):
     outputs = []
     for workers in (1, 3):
         out = tmp_path / f"out-{workers}"
-        code = preprocess.main([str(TRAIN), "--output", str(out), "--tokenizer", TOKENIZER, "--workers", str(workers),
-                                "--shard-tokens", "200000", "--batch-bytes", "200000", "--val-fraction", "0.05", "--quiet"])
+        code = main([str(TRAIN), "--output", str(out), "--tokenizer", TOKENIZER, "--workers", str(workers),
+                     "--shard-tokens", "200000", "--batch-bytes", "200000", "--val-fraction", "0.05", "--quiet"])
         assert code == 0
         outputs.append(folder_bytes(out))
     assert outputs[0] == outputs[1]
@@ -167,9 +169,8 @@ def test_split_adds_up_and_is_deterministic(tmp_path, tokenizer, texts):
     assert splits["train"]["documents"] + splits["validation"]["documents"] == 200
     assert splits["train"]["tokens"] + splits["validation"]["tokens"] == runs["a"]["counts"]["tokens"]
     assert 20 <= splits["validation"]["documents"] <= 60
-    is_val = preprocess.validation_mask(7, 0, 200, 0.2)
-    assert np.array_equal(is_val, np.concatenate([preprocess.validation_mask(7, 0, 77, 0.2),
-                                                  preprocess.validation_mask(7, 77, 123, 0.2)]))
+    is_val = validation_mask(7, 0, 200, 0.2)
+    assert np.array_equal(is_val, np.concatenate([validation_mask(7, 0, 77, 0.2), validation_mask(7, 77, 123, 0.2)]))
     encoded = [tokenizer.encode(t, bos=True, eos=True) for t in corpus]
     assert documents(tmp_path / "a", "validation") == [e for e, v in zip(encoded, is_val) if v]
     assert documents(tmp_path / "a", "train") == [e for e, v in zip(encoded, is_val) if not v]
@@ -195,8 +196,9 @@ def test_parquet_text_gzip_glob_and_save_to_disk_inputs(tmp_path, tokenizer, tex
     for name, text in (("b.txt", texts[6]), ("a.txt", texts[5]), ("sub/c.txt", texts[7]), ("notes.md", "not read")):
         (txt / name).write_text(text)
     datasets.Dataset.from_dict({"text": texts[8:11], "n": [1, 2, 3]}).save_to_disk(str(tmp_path / "hf"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[11:13]}),
-                          "test": datasets.Dataset.from_dict({"text": texts[13:14]})}).save_to_disk(str(tmp_path / "hfdict"))
+    splits = {"train": datasets.Dataset.from_dict({"text": texts[11:13]}),
+              "test": datasets.Dataset.from_dict({"text": texts[13:14]})}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "hfdict"))
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps({"text": t}) + "\n" for t in texts[14:16]))
     (tmp_path / "glob").mkdir()
@@ -212,7 +214,8 @@ def test_parquet_text_gzip_glob_and_save_to_disk_inputs(tmp_path, tokenizer, tex
     assert manifest["inputs"] == [str(i) for i in inputs]
     assert manifest["files"] == [str(tmp_path / "part.parquet"), f"{txt}/a.txt", f"{txt}/b.txt", f"{txt}/sub/c.txt",
                                  str(tmp_path / "hf"), f"{tmp_path}/hfdict/train", f"{tmp_path}/hfdict/test",
-                                 str(tmp_path / "docs.jsonl.gz"), f"{tmp_path}/glob/1.jsonl", f"{tmp_path}/glob/2.jsonl"]
+                                 str(tmp_path / "docs.jsonl.gz"), f"{tmp_path}/glob/1.jsonl",
+                                 f"{tmp_path}/glob/2.jsonl"]
     assert manifest["counts"]["lines"] == 18
 
     assert run(tmp_path / "part.parquet", "--output", tmp_path / "other", "--text-field", "body") == 2
@@ -277,7 +280,7 @@ def test_rerun_replaces_the_output_and_a_crash_leaves_no_manifest(tmp_path, text
     def fail(self, document):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(preprocess.ShardWriter, "write", fail)
+    monkeypatch.setattr(ShardWriter, "write", fail)
     with pytest.raises(RuntimeError, match="disk on fire"):
         run(path, "--output", out, "--val-fraction", "0")
     assert not (out / "manifest.json").exists()
@@ -289,7 +292,7 @@ def test_rerun_replaces_the_output_and_a_crash_leaves_no_manifest(tmp_path, text
 def test_command_line(tmp_path, texts):
     path = write_jsonl(tmp_path / "docs.jsonl", texts[:10])
     result = subprocess.run(
-        [sys.executable, "-m", "components.data.preprocess", str(path), "--output", str(tmp_path / "out"),
+        [sys.executable, "-m", "scripts.preprocess", str(path), "--output", str(tmp_path / "out"),
          "--tokenizer", TOKENIZER, "--workers", "2", "--val-fraction", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -308,7 +311,7 @@ def test_a_dead_worker_or_a_damaged_file_fails_cleanly(tmp_path, texts, monkeypa
 
     if sys.platform != "linux":
         return  # the patch below reaches the workers only when they are forked
-    monkeypatch.setattr(preprocess.Encoder, "__call__", lambda self, parts: os._exit(3))  # inherited by forked workers
-    assert preprocess.main([str(path), "--output", str(out), "--tokenizer", TOKENIZER, "--workers", "1", "--quiet"]) == 1
+    monkeypatch.setattr(Encoder, "__call__", lambda self, parts: os._exit(3))  # inherited by forked workers
+    assert main([str(path), "--output", str(out), "--tokenizer", TOKENIZER, "--workers", "1", "--quiet"]) == 1
     assert "a worker process died" in capsys.readouterr().err
     assert not (out / "manifest.json").exists()

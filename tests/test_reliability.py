@@ -13,14 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import REPO, TINY, losses, read_metrics
+from conftest import REPO, TINY, losses, metric_lines
 from fault_injection import kill_tree
 
 from components.checkpoint_integrity import check_checkpoint
-from components.config import Training
+from components.config import Optimizer as OptimizerConfig, Training
 from components.optim import Optimizers
-from components.config import Optimizer as OptimizerConfig
 from components.step_guard import StepGuard
 
 STEPS = 12
@@ -28,10 +26,12 @@ RUN = [*TINY, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--chec
        "--checkpoint.interval", "3", "--training.dataloader_workers", "0"]
 
 
-def launch(nproc: int, args: list[str], dump: Path, fault: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(nproc: int, args: list[str], dump: Path, fault: str | None = None,
+           timeout: int = 300) -> subprocess.CompletedProcess:
     """train.py (or tests/fault_injection.py with INGOT_FAULT=fault) on nproc ranks."""
     script = REPO / ("tests/fault_injection.py" if fault else "train.py")
-    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    runner = [sys.executable] if nproc == 1 else distributed
     env = dict(os.environ, OMP_NUM_THREADS="1", **({"INGOT_FAULT": fault} if fault else {}))
     proc = subprocess.Popen([*runner, str(script), *args, "--job.dump_folder", str(dump)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -44,7 +44,7 @@ def launch(nproc: int, args: list[str], dump: Path, fault: str | None = None, ti
 
 
 def steps_logged(dump: Path) -> list[int]:
-    return [m["step"] for m in read_metrics(dump) if "loss" in m]
+    return [m["step"] for m in metric_lines(dump) if "loss" in m]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,9 @@ def references(tmp_path_factory):
 KILLS = {
     "1proc-mid-step-5": (1, "kill-step:5", [], "step-3"),
     "1proc-async-write-6": (1, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
-    "1proc-async-commit-9-keep1": (1, "kill-commit:9", ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "1"], "step-6"),
+    "1proc-async-commit-9-keep1": (
+        1, "kill-commit:9", ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "1"], "step-6"
+    ),
     "1proc-sync-write-3": (1, "kill-write:3", [], None),
     "2proc-async-write-6": (2, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
     "2proc-mid-step-8": (2, "kill-step:8", [], "step-6"),
@@ -103,7 +105,8 @@ def test_kill_9_from_outside_at_a_random_step(nproc, seed, references, tmp_path)
     gives the uninterrupted curve."""
     kill_after = random.Random(seed).randint(2, STEPS - 2)
     args = [*RUN, "--checkpoint.async_mode", "async", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
-    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    runner = [sys.executable] if nproc == 1 else distributed
     proc = subprocess.Popen([*runner, "train.py", *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
@@ -233,16 +236,20 @@ def test_nan_with_policy_skip_leaves_the_weights_untouched_and_counts(tmp_path, 
     poison_loss_at(monkeypatch, {5, 7})
     args = [*RUN, "--training.on_nonfinite", "skip", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 0
-    records = {m["step"]: m for m in read_metrics(tmp_path) if "loss" in m}
-    assert records[4]["skipped_steps"] == 0 and records[5]["nonfinite_steps"] == 1 and records[12]["nonfinite_steps"] == 2
+    records = {m["step"]: m for m in metric_lines(tmp_path) if "loss" in m}
+    assert (records[4]["skipped_steps"] == 0 and records[5]["nonfinite_steps"] == 1
+            and records[12]["nonfinite_steps"] == 2)
     assert all(torch.isfinite(torch.tensor(records[s]["loss"])) for s in (6, 8, 12))
 
 
 def test_max_skipped_steps_stops_the_run(tmp_path, train_in_process, monkeypatch, capsys):
     poison_loss_at(monkeypatch, {2, 3})
-    args = [*RUN, "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "1", "--job.dump_folder", str(tmp_path)]
+    args = [*RUN, "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "1",
+            "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 3
-    assert "training stopped: 2 optimizer steps skipped (2 non-finite, 0 loss spikes), more than training.max_skipped_steps = 1" in capsys.readouterr().err
+    expected = ("training stopped: 2 optimizer steps skipped (2 non-finite, 0 loss spikes), "
+                "more than training.max_skipped_steps = 1")
+    assert expected in capsys.readouterr().err
 
 
 def test_spike_guard_skips_a_loss_spike(tmp_path, train_in_process, monkeypatch):
@@ -250,7 +257,7 @@ def test_spike_guard_skips_a_loss_spike(tmp_path, train_in_process, monkeypatch)
     args = [*RUN, "--training.spike_guard", "true", "--training.spike_window", "4", "--checkpoint.enable", "false",
             "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 0
-    records = {m["step"]: m for m in read_metrics(tmp_path) if "loss" in m}
+    records = {m["step"]: m for m in metric_lines(tmp_path) if "loss" in m}
     assert records[8]["spike_steps"] == 0 and records[9]["spike_steps"] == 1 and records[12]["skipped_steps"] == 1
 
 
@@ -294,7 +301,8 @@ def test_a_skipped_optimizer_step_changes_nothing(implementation):
         optimizers.step(skip=torch.tensor(skip))
 
     step(False)
-    before = ([p.clone() for p in model.parameters()], {k: v.clone() for k, v in optimizers.optimizers[0].state[model.weight].items()})
+    before = ([p.clone() for p in model.parameters()],
+              {k: v.clone() for k, v in optimizers.optimizers[0].state[model.weight].items()})
     step(True)
     assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
     assert all(torch.equal(v, optimizers.optimizers[0].state[model.weight][k]) for k, v in before[1].items())
@@ -317,7 +325,8 @@ def test_a_hung_rank_ends_the_run_within_the_collective_timeout(tmp_path):
     result = launch(2, [*RUN, "--comm.train_timeout_seconds", "5"], tmp_path, fault="hang-step:4:1", timeout=240)
     assert result.returncode != 0
     assert time.monotonic() - start < 120
-    assert "timed out" in (result.stdout + result.stderr).lower() or "timeout" in (result.stdout + result.stderr).lower()
+    output = (result.stdout + result.stderr).lower()
+    assert "timed out" in output or "timeout" in output
 
 
 def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, capsys):

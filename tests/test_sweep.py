@@ -1,4 +1,4 @@
-"""Sweeps (components/sweep.py): expansion and naming, validation before launch, dry runs, device slots,
+"""Sweeps (scripts/sweep/): expansion and naming, validation before launch, dry runs, device slots,
 reports and `compare`; then real tiny sweeps: completion, skipping, resuming and a failing run."""
 
 import csv
@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from components import sweep
 from conftest import REPO
+
+from components.metrics import read_metrics
+from scripts.sweep import launch, report
+from scripts.sweep.__main__ import main
+from scripts.sweep.plan import SweepError, read_sweep, run_names
+from scripts.sweep.state import last_logged_step
 
 # The debug model cut down as in conftest.TINY, with checkpoints every 3 steps so that a run can resume.
 TINY_OVERRIDES = """
@@ -44,8 +48,8 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"launched {args}")
 
-    monkeypatch.setattr(sweep.subprocess, "Popen", refuse)
-    monkeypatch.setattr(sweep, "visible_gpus", lambda: [])
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 
 # --- Fast: planning, naming, validation -----------------------------------------------------------------
@@ -69,7 +73,7 @@ optimizer.lr = 1e-2
 "optimizer.lr" = 1e-3
 "training.seed" = 1
 """)
-    plan = sweep.plan(path, tmp_path / "out")
+    plan = read_sweep(path, tmp_path / "out")
     names = [r.name for r in plan.runs]
     assert names == ["lr=0.001_seed=1", "lr=0.001_seed=2", "lr=0.003_seed=1", "lr=0.003_seed=2",
                      "n_layers=4_dataset_path=tests-assets-shakespeare-train.jsonl", "baseline", "lr=0.01"]
@@ -79,7 +83,8 @@ optimizer.lr = 1e-2
     assert run.config.optimizer.lr == 3e-3 and run.config.training.seed == 2 and run.config.training.steps == 50
     assert run.dump == (tmp_path / "out" / "lr=0.003_seed=2").resolve()
     assert run.command[0].endswith("run_train.sh")
-    assert run.command[1:5] == ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(run.dump)]
+    base = str(REPO / "train_configs" / "debug_model.toml")
+    assert run.command[1:5] == ["--job.config_file", base, "--job.dump_folder", str(run.dump)]
     assert run.command[5:] == ["--training.steps", "50", "--optimizer.lr", "0.003", "--training.seed", "2"]
     assert by_name["baseline"].overrides == {} and by_name["baseline"].config.training.steps == 50
     assert by_name["n_layers=4_dataset_path=tests-assets-shakespeare-train.jsonl"].config.model.n_layers == 4
@@ -87,23 +92,26 @@ optimizer.lr = 1e-2
 
 
 def test_names_stay_unique_when_keys_or_values_collide():
-    assert sweep.run_names([{"model.name": "a"}, {"optimizer.name": "b"}], [None, None]) == ["model.name=a", "optimizer.name=b"]
-    assert sweep.run_names([{"job.description": "a/b"}, {"job.description": "a b"}], [None, None]) == [
+    assert run_names([{"model.name": "a"}, {"optimizer.name": "b"}], [None, None]) == [
+        "model.name=a", "optimizer.name=b"]
+    assert run_names([{"job.description": "a/b"}, {"job.description": "a b"}], [None, None]) == [
         "description=a-b", "description=a-b-2"]
-    assert sweep.run_names([{}], [None]) == ["base"]
+    assert run_names([{}], [None]) == ["base"]
 
 
 def test_a_typo_fails_the_sweep_before_anything_is_launched(tmp_path, capsys, no_launch):
     path = write_sweep(tmp_path, '[grid]\n"optimizer.lr" = [1e-3]\n"optimizer.lrr" = [1, 2]\n')
     output = tmp_path / "out"
-    assert sweep.main([str(path), "--output", str(output)]) == 2
+    assert main([str(path), "--output", str(output)]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'optimizer.lrr' (did you mean optimizer.lr?)" in err, err
     assert not output.exists()
     # A wrong type and a misspelled sweep-file key fail the same way.
-    assert sweep.main([str(write_sweep(tmp_path, '[overrides]\n"training.steps" = "many"\n', "b.toml")), "--output", str(output)]) == 2
+    wrong_type = write_sweep(tmp_path, '[overrides]\n"training.steps" = "many"\n', "b.toml")
+    assert main([str(wrong_type), "--output", str(output)]) == 2
     assert "training.steps must be int" in capsys.readouterr().err
-    assert sweep.main([str(write_sweep(tmp_path, '[grids]\n"optimizer.lr" = [1e-3]\n', "c.toml")), "--output", str(output)]) == 2
+    misspelled = write_sweep(tmp_path, '[grids]\n"optimizer.lr" = [1e-3]\n', "c.toml")
+    assert main([str(misspelled), "--output", str(output)]) == 2
     assert "unknown key 'grids' (did you mean grid?)" in capsys.readouterr().err
     assert not output.exists()
 
@@ -111,11 +119,12 @@ def test_a_typo_fails_the_sweep_before_anything_is_launched(tmp_path, capsys, no
 def test_dry_run_prints_the_runs_and_launches_nothing(tmp_path, capsys, no_launch):
     path = write_sweep(tmp_path, TINY_OVERRIDES + '[grid]\n"optimizer.lr" = [1e-3, 3e-3]\n')
     output = tmp_path / "out"
-    assert sweep.main([str(path), "--output", str(output), "--parallel", "2", "--dry-run"]) == 0
+    assert main([str(path), "--output", str(output), "--parallel", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     for name in ("lr=0.001", "lr=0.003"):
         assert f"  {name}  optimizer.lr=" in out and f"{name}: cd " in out
-    assert "NGPU=1 OMP_NUM_THREADS=" in out and "run_train.sh --job.config_file" in out and "--optimizer.lr 0.003" in out
+    assert "NGPU=1 OMP_NUM_THREADS=" in out and "run_train.sh --job.config_file" in out
+    assert "--optimizer.lr 0.003" in out
     assert not output.exists()
 
 
@@ -126,31 +135,33 @@ def test_a_run_still_running_from_a_killed_sweep_is_not_launched_twice(tmp_path,
     run = tmp_path / "out" / "lr=0.001"
     run.mkdir(parents=True)
     # As an earlier sweep leaves it when killed with SIGKILL: status running, its process group alive.
-    (run / "sweep_run.json").write_text(json.dumps({"status": "running", "pid": os.getpgrp(), "host": socket.gethostname()}))
-    assert sweep.main([str(path), "--output", str(tmp_path / "out")]) == 2
+    record = {"status": "running", "pid": os.getpgrp(), "host": socket.gethostname()}
+    (run / "sweep_run.json").write_text(json.dumps(record))
+    assert main([str(path), "--output", str(tmp_path / "out")]) == 2
     assert f"still running: lr=0.001 (process group {os.getpgrp()})" in capsys.readouterr().err
 
 
 def test_the_first_argument_is_compare_or_a_sweep_file(capsys):
     with pytest.raises(SystemExit):
-        sweep.main(["run", "sweep.toml"])
+        main(["run", "sweep.toml"])
     assert "`compare` or a sweep file" in capsys.readouterr().err
 
 
 def test_device_slots_are_disjoint_and_checked():
     gpus = ["0", "1", "2", "3"]
-    assert [s["CUDA_VISIBLE_DEVICES"] for s in sweep.slot_environments(2, 2, gpus, 16)] == ["0,1", "2,3"]
-    assert [s["CUDA_VISIBLE_DEVICES"] for s in sweep.slot_environments(4, 1, gpus, 16)] == ["0", "1", "2", "3"]
-    assert all(s["NGPU"] == "2" for s in sweep.slot_environments(2, 2, gpus, 16))
-    with pytest.raises(sweep.SweepError, match="needs 6 GPUs, but 4 are visible"):
-        sweep.slot_environments(3, 2, gpus, 16)
-    cpu = sweep.slot_environments(2, 1, [], 16)
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in launch.slot_environments(2, 2, gpus, 16)] == ["0,1", "2,3"]
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in launch.slot_environments(4, 1, gpus, 16)] == ["0", "1", "2", "3"]
+    assert all(s["NGPU"] == "2" for s in launch.slot_environments(2, 2, gpus, 16))
+    with pytest.raises(SweepError, match="needs 6 GPUs, but 4 are visible"):
+        launch.slot_environments(3, 2, gpus, 16)
+    cpu = launch.slot_environments(2, 1, [], 16)
     assert cpu == [{"NGPU": "1", "OMP_NUM_THREADS": "8"}] * 2 and "CUDA_VISIBLE_DEVICES" not in cpu[0]
-    assert sweep.slot_environments(4, 1, [], 2)[0]["OMP_NUM_THREADS"] == "1"
+    assert launch.slot_environments(4, 1, [], 2)[0]["OMP_NUM_THREADS"] == "1"
 
 
 def test_last_logged_step_and_error_summary():
-    assert [sweep.last_logged_step(s, f) for s, f in ((60, 1), (60, 10), (65, 10), (5, 10), (1, 10))] == [60, 60, 60, 1, 1]
+    steps_and_freqs = ((60, 1), (60, 10), (65, 10), (5, 10), (1, 10))
+    assert [last_logged_step(s, f) for s, f in steps_and_freqs] == [60, 60, 60, 1, 1]
     stderr = (
         "[rank0] 11:42:32 mesh: dp_replicate=1\n"
         "[rank0] 11:42:33 error: training.dataset_path: no data files at '/x.jsonl'\n"
@@ -159,23 +170,27 @@ def test_last_logged_step_and_error_summary():
         "Traceback (most recent call last):\n  File \"torchrun\", line 8\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  exitcode  : 2 (pid: 26713)\n"
     )
-    assert sweep.error_summary(stderr) == "error: training.dataset_path: no data files at '/x.jsonl'"
-    crash = "Traceback (most recent call last):\n  File \"train.py\", line 3\n    raise RuntimeError('boom')\nRuntimeError: boom\n"
-    assert sweep.error_summary(crash) == "RuntimeError: boom"
+    assert launch.error_summary(stderr) == "error: training.dataset_path: no data files at '/x.jsonl'"
+    crash = ("Traceback (most recent call last):\n  File \"train.py\", line 3\n    raise RuntimeError('boom')\n"
+             "RuntimeError: boom\n")
+    assert launch.error_summary(crash) == "RuntimeError: boom"
 
 
 # --- Fast: reports from hand-written run folders (compare) -----------------------------------------------
 
 
-def fake_run(folder: Path, lr: float, seed: int, losses: list[float], tps: float = 1000.0, val: float | None = None) -> Path:
+def fake_run(folder: Path, lr: float, seed: int, losses: list[float], tps: float = 1000.0,
+             val: float | None = None) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.toml").write_text(
         f"# git commit: abc\n\n[job]\ndump_folder = \"{folder}\"\n\n[optimizer]\nlr = {lr!r}\n\n"
-        f"[training]\nsteps = {len(losses)}\nseed = {seed}\nseq_len = 16\nlocal_batch_size = 2\nglobal_batch_size = -1\n\n"
+        f"[training]\nsteps = {len(losses)}\nseed = {seed}\nseq_len = 16\nlocal_batch_size = 2\n"
+        "global_batch_size = -1\n\n"
         "[metrics]\nlog_freq = 1\n"
     )
-    records = [{"step": i + 1, "loss": loss, "grad_norm": 1.0, "lr": lr, "tokens_per_second": tps * (0.1 if i == 0 else 1),
-                "mfu": 10.0, "memory_gib": 1.0 + i / 10} for i, loss in enumerate(losses)]
+    records = [{"step": i + 1, "loss": loss, "grad_norm": 1.0, "lr": lr,
+                "tokens_per_second": tps * (0.1 if i == 0 else 1), "mfu": 10.0, "memory_gib": 1.0 + i / 10}
+               for i, loss in enumerate(losses)]
     if val is not None:
         records.append({"step": len(losses), "val_loss": val, "val_perplexity": 2.0})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -187,7 +202,7 @@ def test_compare_groups_seeds_into_a_mean(tmp_path, capsys):
     b = fake_run(tmp_path / "b", 1e-3, 2, [6.0, 5.0, 4.0, 3.0], val=2.5)
     c = fake_run(tmp_path / "c", 3e-3, 1, [5.0, 2.0, 1.0, 0.5], tps=2000.0)
     out = tmp_path / "report"
-    assert sweep.main(["compare", str(a), str(b), str(c), "--output", str(out)]) == 0
+    assert main(["compare", str(a), str(b), str(c), "--output", str(out)]) == 0
 
     rows = {r["run"]: r for r in read_csv(out / "results.csv")}
     assert sorted(rows) == ["a", "b", "c"]
@@ -198,10 +213,11 @@ def test_compare_groups_seeds_into_a_mean(tmp_path, capsys):
     assert float(rows["c"]["tokens_per_second"]) == 2000.0  # the first (slow) step is left out
     assert float(rows["c"]["peak_memory_gib"]) == pytest.approx(1.3)
 
-    groups = {g.label: g for g in sweep.group_by_setting(sweep.dump_results([a, b, c]))}
+    groups = {g.label: g for g in report.group_by_setting(report.dump_results([a, b, c]))}
     assert sorted(groups) == ["lr=0.001", "lr=0.003"]
     steps, mean, low, high = groups["lr=0.001"].curve()
-    assert steps == [1, 2, 3, 4] and mean == [5.0, 4.0, 3.0, 2.0] and low == [4.0, 3.0, 2.0, 1.0] and high == [6.0, 5.0, 4.0, 3.0]
+    assert steps == [1, 2, 3, 4] and mean == [5.0, 4.0, 3.0, 2.0]
+    assert low == [4.0, 3.0, 2.0, 1.0] and high == [6.0, 5.0, 4.0, 3.0]
     assert groups["lr=0.003"].curve()[1] == [5.0, 2.0, 1.0, 0.5]
     assert groups["lr=0.001"].results[0].tokens_per_step == 2 * 16
 
@@ -214,8 +230,9 @@ def test_compare_groups_seeds_into_a_mean(tmp_path, capsys):
 
     # A resumed run repeats the steps logged after its checkpoint: the later records win.
     with open(a / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 4, "loss": 0.25, "grad_norm": 1, "lr": 1, "tokens_per_second": 1, "mfu": 1, "memory_gib": 1}) + "\n")
-    train, val = sweep.read_metrics(a)
+        repeated = {"step": 4, "loss": 0.25, "grad_norm": 1, "lr": 1, "tokens_per_second": 1, "mfu": 1, "memory_gib": 1}
+        f.write(json.dumps(repeated) + "\n")
+    train, val = read_metrics(a / "metrics.jsonl")
     assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["loss"] == 0.25 and len(val) == 1
 
 
@@ -223,7 +240,7 @@ def test_report_without_matplotlib_writes_the_tables_and_says_how_to_get_the_plo
     run = fake_run(tmp_path / "a", 1e-3, 1, [3.0, 2.0])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     out = tmp_path / "report"
-    assert sweep.main(["compare", str(run), "--output", str(out)]) == 0
+    assert main(["compare", str(run), "--output", str(out)]) == 0
     assert "pip install 'ingot[plots]'" in capsys.readouterr().out
     assert (out / "results.csv").is_file() and (out / "results.md").is_file() and not (out / "loss_curves.png").exists()
     assert "loss_curves.png" not in (out / "results.md").read_text()
@@ -235,8 +252,8 @@ def test_report_without_matplotlib_writes_the_tables_and_says_how_to_get_the_plo
 def run_sweep_cli(*args: str) -> subprocess.CompletedProcess:
     # On CPU even where there are GPUs: two runs at a time must not need two GPUs.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "components.sweep", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", "scripts.sweep", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -254,7 +271,8 @@ def test_sweep_runs_then_skips_completed_runs_then_resumes_an_interrupted_one(tm
     first, second = out / "lr=0.001", out / "lr=0.003"
     for run in (first, second):
         state = json.loads((run / "sweep_run.json").read_text())
-        assert state["status"] == "done" and state["exit_code"] == 0 and state["overrides"] == {"optimizer.lr": float(run.name[3:])}
+        assert state["status"] == "done" and state["exit_code"] == 0
+        assert state["overrides"] == {"optimizer.lr": float(run.name[3:])}
         assert state["git_commit"] and state["start_time"] and state["end_time"] and len(state["attempts"]) == 1
         assert "run_train.sh --job.config_file" in (run / "command.txt").read_text()
         assert (run / "config.toml").read_text().startswith("# git commit: ")

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-
 from conftest import TINY, losses
 
 pytestmark = pytest.mark.slow

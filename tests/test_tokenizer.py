@@ -8,7 +8,7 @@ import pytest
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from components.data.hf import build_hf_dataloader
+from components.data.local_files import build_local_files_dataloader
 from components.tokenizer import (
     LLAMA3_PATTERN,
     HFTokenizer,
@@ -18,14 +18,14 @@ from components.tokenizer import (
     build_tokenizer,
     tokenizer_files,
 )
-from components.train_tokenizer import train
+from scripts.train_tokenizer import train
 
 try:
     import tokenizers as hf_tokenizers
 except ImportError:
     hf_tokenizers = None
-needs_tokenizers = pytest.mark.skipif(hf_tokenizers is None, reason="the optional `tokenizers` package is not installed "
-                                      "(pip install 'ingot[hf]'); it is in the test extra")
+needs_tokenizers = pytest.mark.skipif(hf_tokenizers is None, reason="the optional `tokenizers` package is not "
+                                      "installed (pip install 'ingot[hf]'); it is in the test extra")
 
 ASSETS = Path(__file__).parent / "assets"
 CORPUS = ASSETS / "shakespeare"
@@ -222,7 +222,7 @@ def test_garbage_file_is_rejected(tmp_path, content):
     with pytest.raises(ValueError) as error:
         build_tokenizer(garbage)
     assert str(garbage) in str(error.value)
-    assert "sentencepiece" in str(error.value) and "tiktoken" in str(error.value) and "tokenizer.json" in str(error.value)
+    assert all(name in str(error.value) for name in ("sentencepiece", "tiktoken", "tokenizer.json"))
 
 
 def test_rewritten_tiktoken_file_is_reread(tmp_path):
@@ -242,7 +242,8 @@ def test_very_long_runs_encode(tokenizer, char):
 
 def test_tiktoken_chunking_keeps_the_ids(validation_docs):
     path = TOKENIZERS / "gpt2.tiktoken"
-    reference = tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(path)), special_tokens={})
+    reference = tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=load_tiktoken_bpe(str(path)),
+                                  special_tokens={})
     text = "\n\n".join(validation_docs[:20]) + "   " * 10_000 + " word" * 10_000
     assert len(text) > 5 * TiktokenTokenizer.MAX_CHUNK_CHARS
     assert build_tokenizer(path).encode(text) == reference.encode_ordinary(text)
@@ -289,7 +290,8 @@ def test_hf_post_processor_bos_is_not_doubled(hf_file):
 def test_hf_folder_is_read_through_its_tokenizer_json(tmp_path, hf_file, validation_docs):
     from_folder, from_file = build_tokenizer(hf_file.parent), build_tokenizer(hf_file)
     assert type(from_folder) is HFTokenizer and from_folder.vocab_size == from_file.vocab_size
-    assert from_folder.encode(validation_docs[0], bos=True, eos=True) == from_file.encode(validation_docs[0], bos=True, eos=True)
+    doc = validation_docs[0]
+    assert from_folder.encode(doc, bos=True, eos=True) == from_file.encode(doc, bos=True, eos=True)
     assert tokenizer_files(hf_file.parent) == [hf_file]
     with pytest.raises(FileNotFoundError, match="without a tokenizer.json"):
         build_tokenizer(tmp_path)
@@ -310,14 +312,16 @@ def test_hf_tokenizer_config_names_the_special_tokens(tmp_path, hf_file, config,
         tokenizer = build_tokenizer(path)
         assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == expected
         assert tokenizer.encode("To be", bos=True, eos=True)[::len(tokenizer.encode("To be")) + 1] == list(expected[:2])
-    assert tokenizer_files(tmp_path) == tokenizer_files(tokenizer_json) == [tokenizer_json, tmp_path / "tokenizer_config.json"]
+    files = [tokenizer_json, tmp_path / "tokenizer_config.json"]
+    assert tokenizer_files(tmp_path) == tokenizer_files(tokenizer_json) == files
 
 
 @needs_tokenizers
 def test_hf_tokenizer_config_naming_an_unknown_token_is_an_error(tmp_path, hf_file):
     shutil.copy(hf_file, tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json sets bos_token '<s>', which is not in the vocabulary"):
+    message = r"tokenizer_config\.json sets bos_token '<s>', which is not in the vocabulary"
+    with pytest.raises(ValueError, match=message):
         build_tokenizer(tmp_path)
 
 
@@ -374,7 +378,8 @@ def test_hf_tokenizer_pickles(hf_file):
     copy = pickle.loads(pickle.dumps(tokenizer))
     text = "<|end_of_text|> Exeunt."
     assert copy.encode(text, bos=True, eos=True) == tokenizer.encode(text, bos=True, eos=True)
-    assert (copy.bos_id, copy.eos_id, copy.pad_id, copy.vocab_size) == (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size)
+    ids = ("bos_id", "eos_id", "pad_id", "vocab_size")
+    assert [getattr(copy, name) for name in ids] == [getattr(tokenizer, name) for name in ids]
 
 
 @needs_tokenizers
@@ -391,7 +396,8 @@ def test_hf_tokenizer_feeds_the_hf_loader(tmp_path, hf_file, validation_docs):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     tokenizer = build_tokenizer(hf_file)
-    loader = build_hf_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=2, dp_rank=0, dp_size=1)
+    loader = build_local_files_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=2, dp_rank=0,
+                                          dp_size=1)
     batch = next(iter(loader))
     stream = [i for doc in docs for i in tokenizer.encode(doc, bos=True, eos=True)]
     assert batch.shape == (2, 17)

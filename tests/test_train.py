@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import REPO, TINY, losses, read_metrics, torchrun
+from conftest import REPO, TINY, losses, metric_lines, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +21,7 @@ def test_quick_start_run_trains_and_writes_everything(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    metrics = read_metrics(dump)
+    metrics = metric_lines(dump)
     assert [m["step"] for m in metrics] == list(range(1, 61))
     assert set(metrics[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib",
                                "skipped_steps", "nonfinite_steps", "spike_steps"}
@@ -53,7 +52,8 @@ def test_resume_is_bitwise_exact(tmp_path, train_in_process, async_mode):
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, train_in_process):
     big, accumulated = tmp_path / "big", tmp_path / "accumulated"
-    assert train_in_process([*TINY, "--training.steps", "4", "--training.local_batch_size", "8", "--job.dump_folder", str(big)]) == 0
+    assert train_in_process([*TINY, "--training.steps", "4", "--training.local_batch_size", "8",
+                             "--job.dump_folder", str(big)]) == 0
     assert train_in_process([*TINY, "--training.steps", "4", "--training.local_batch_size", "2",
                              "--training.global_batch_size", "8", "--job.dump_folder", str(accumulated)]) == 0
     for step, loss in losses(big).items():
@@ -84,11 +84,15 @@ def test_seed_checkpoint_and_initial_load_path(tmp_path, train_in_process):
 
 
 def test_bad_input_fails_with_a_clear_message(tmp_path, train_in_process, capsys):
-    assert train_in_process([*TINY, "--model.tokenizer_path", str(tmp_path / "none.model"), "--job.dump_folder", str(tmp_path)]) == 2
+    assert train_in_process([*TINY, "--model.tokenizer_path", str(tmp_path / "none.model"),
+                             "--job.dump_folder", str(tmp_path)]) == 2
     assert "none.model" in capsys.readouterr().err
     assert train_in_process([*TINY, "--training.global_batch_size", "6", "--job.dump_folder", str(tmp_path)]) == 2
     assert "must be a multiple of training.local_batch_size" in capsys.readouterr().err
-    assert train_in_process([*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]) == 2
+    assert train_in_process([*TINY, "--parallelism.tensor_parallel_degree", "2",
+                             "--job.dump_folder", str(tmp_path)]) == 2
     assert "parallelism" in capsys.readouterr().err
-    assert train_in_process([*TINY, "--parallelism.enable_async_tensor_parallel", "true", "--job.dump_folder", str(tmp_path)]) == 2
-    assert "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1" in capsys.readouterr().err
+    assert train_in_process([*TINY, "--parallelism.enable_async_tensor_parallel", "true",
+                             "--job.dump_folder", str(tmp_path)]) == 2
+    expected = "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1"
+    assert expected in capsys.readouterr().err

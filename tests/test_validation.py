@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from conftest import REPO, TINY, metric_lines, val_losses
 
 from components.config import load_config
 from components.tokenizer import build_tokenizer
-from conftest import REPO, TINY, read_metrics, val_losses
 from models.llama3 import Transformer, build_model_args
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def test_validation_loss_matches_a_hand_computation(tmp_path, train_in_process):
     logged = val_losses(tmp_path)
     assert sorted(logged) == [2, 4]
     assert logged[4] == pytest.approx(hand_validation_loss(args, tmp_path / "checkpoint" / "step-4"), rel=1e-5)
-    record = next(m for m in read_metrics(tmp_path) if m.get("val_loss") == logged[4])
+    record = next(m for m in metric_lines(tmp_path) if m.get("val_loss") == logged[4])
     assert record["val_perplexity"] == pytest.approx(math.exp(logged[4]))
 
 

@@ -3,9 +3,9 @@ built by loaders.py.
 
 Two sources (`training.dataset`):
 - hf: local JSONL/text/Parquet files or a `save_to_disk` folder, tokenized and packed on the fly
-  (hf.py): no preparation, for small data;
-- packed: folders written once by `python -m components.data.preprocess` (preprocess.py, in the
-  format of packed_format.py), memory-mapped with a global shuffle (packed.py): for real runs.
+  (local_files.py): no preparation, for small data;
+- packed: folders written once by `python -m scripts.preprocess` (in the format of packed_format.py),
+  memory-mapped with a global shuffle (packed.py): for real runs.
 
 Both keep their position in the global stream of samples, so checkpoints resume exactly, also under
 another data-parallel degree.

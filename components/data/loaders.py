@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from components.config import Config
-from components.data.hf import build_hf_dataloader
+from components.data.local_files import build_local_files_dataloader
 from components.data.packed import build_packed_dataloader
 from components.data.packed_format import is_packed_folder
 from components.tokenizer import Tokenizer
@@ -17,18 +17,19 @@ def build_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size
             t.dataset_path, "train", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, t.dataloader_workers,
         )
-    return build_hf_dataloader(t.dataset_path, t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_size)
+    return build_local_files_dataloader(t.dataset_path, t.dataset_text_field, tokenizer, t.seq_len,
+                                        t.local_batch_size, dp_rank, dp_size)
 
 
 def build_validation_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int):
     """Validation batches of this rank, from the start of `validation.dataset_path`: the validation
-    split of a packed folder, in order, or hf files."""
+    split of a packed folder, in order, or local files (as for `hf`)."""
     t, path = config.training, config.validation.dataset_path
     if is_packed_folder(path):
         return build_packed_dataloader(
             [path], "validation", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, num_workers=0, shuffle=False,
         )
-    return build_hf_dataloader([path], t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_size,
-                               "validation.dataset_path")
+    return build_local_files_dataloader([path], t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size,
+                                        dp_rank, dp_size, "validation.dataset_path")
 

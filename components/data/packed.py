@@ -1,5 +1,5 @@
-"""The training loader for packed folders (written by `python -m components.data.preprocess`, format
-in packed_format.py): fixed windows of a memory-mapped token stream, globally shuffled, blendable.
+"""The training loader for packed folders (written by `python -m scripts.preprocess`, format in
+packed_format.py): fixed windows of a memory-mapped token stream, globally shuffled, blendable.
 
 Samples. A split of a folder is one token stream (PackedSplit). Its windows are seq_len + 1 tokens
 long (inputs and labels shifted by one) and overlap by one token, so every token is trained on:
@@ -20,7 +20,8 @@ process and a shuffle at every epoch (billions of windows in real runs); a Feist
 perm_e(i) from i alone. It is a bijection on range(2^b), 2^b the smallest power of two >= N (at
 least 4), whatever its round function (here a 64-bit integer hash of the key, the round and the
 half); values >= N are mapped again ("cycle walking") until one lands below N, which keeps it a
-bijection on range(N) and, as 2^b < 2N for N >= 3, takes fewer than two passes on average. shuffle=False reads windows in order (validation).
+bijection on range(N) and, as 2^b < 2N for N >= 3, takes fewer than two passes on average.
+shuffle=False reads windows in order (validation).
 
 Blends. Folders given as "path:weight" are mixed in proportion to their (normalized) weights.
 Global samples are cut into blocks of BLEND_BLOCK. Each folder gets a fixed count c_d of every
@@ -119,7 +120,8 @@ class Blend:
     def __init__(self, weights: list[float], seed: int):
         self.counts = largest_remainder(weights, BLEND_BLOCK)
         if 0 in self.counts:
-            raise ValueError(f"training.dataset_path: blend weights {weights} give a folder less than 1/{BLEND_BLOCK} of the samples")
+            raise ValueError(f"training.dataset_path: blend weights {weights} give a folder less than "
+                             f"1/{BLEND_BLOCK} of the samples")
         self.starts = [0, *itertools.accumulate(self.counts)][:-1]
         self.seed = seed
 
@@ -272,9 +274,10 @@ def build_packed_dataloader(paths: list[str], split: str, tokenizer_path: str, s
     manifests, num_windows = map(list, zip(*(_open_folder(f, split, tokenizer_path, seq_len) for f in folders)))
     dataset = PackedWindows(folders, manifests, num_windows, split, seq_len, weights, seed, shuffle)
     for folder, weight, n in zip(folders, weights, num_windows):
-        logger.info(f"data: {folder} ({split}): {n:,} windows of {seq_len + 1} tokens, weight {weight / sum(weights):.3f}")
+        share = weight / sum(weights)
+        logger.info(f"data: {folder} ({split}): {n:,} windows of {seq_len + 1} tokens, weight {share:.3f}")
     end = None if shuffle else sum(num_windows)
     if end is not None and end < local_batch_size * dp_size:
-        raise ValueError(f"{config_key(split)}: the {split} split holds {end} windows of {seq_len + 1} tokens, fewer than "
-                         f"one batch over all data-parallel ranks ({local_batch_size} x {dp_size})")
+        raise ValueError(f"{config_key(split)}: the {split} split holds {end} windows of {seq_len + 1} tokens, "
+                         f"fewer than one batch over all data-parallel ranks ({local_batch_size} x {dp_size})")
     return PackedDataLoader(dataset, RankSampler(dp_rank, dp_size, local_batch_size, end), num_workers)

@@ -1,5 +1,5 @@
-"""The packed token format: written once by `python -m components.data.preprocess`, read by the
-training loader through memory maps.
+"""The packed token format: written once by `python -m scripts.preprocess`, read by the training
+loader through memory maps.
 
     DIR/manifest.json         what is in DIR (see `read_manifest`); written last, so a DIR without
                               it was never finished
@@ -110,7 +110,9 @@ def read_manifest(folder: str | Path) -> dict:
     if not Path(folder).exists():
         raise FileNotFoundError(f"{folder} does not exist")
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} is not a packed dataset: no manifest.json (write one with python -m components.data.preprocess)")
+        raise FileNotFoundError(
+            f"{folder} is not a packed dataset: no manifest.json (write one with python -m scripts.preprocess)"
+        )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:  # invalid JSON or not UTF-8
@@ -131,7 +133,7 @@ def check_tokenizer(folder: str | Path, manifest: dict, tokenizer_path: str | Pa
     if actual != expected:
         raise ValueError(
             f"{folder} was tokenized with {manifest['tokenizer']['path']} ({expected}), but model.tokenizer_path "
-            f"is {tokenizer_path} ({actual}); re-run python -m components.data.preprocess with --tokenizer "
+            f"is {tokenizer_path} ({actual}); re-run python -m scripts.preprocess with --tokenizer "
             f"{tokenizer_path}, or set model.tokenizer_path to the data's tokenizer"
         )
 
@@ -148,10 +150,13 @@ class PackedSplit:
         self.tokens, self.offsets, self.starts = [], [], [0]
         for shard in manifest["splits"][split]["shards"]:
             bin_path, idx_path = self.folder / f"{shard['name']}.bin", self.folder / f"{shard['name']}.idx"
-            for path, expected in ((bin_path, shard["tokens"] * dtype.itemsize), (idx_path, (shard["documents"] + 1) * 8)):
+            sizes = ((bin_path, shard["tokens"] * dtype.itemsize), (idx_path, (shard["documents"] + 1) * 8))
+            for path, expected in sizes:
                 if not path.is_file() or path.stat().st_size != expected:
                     found = f"{path.stat().st_size} bytes" if path.is_file() else "no file"
-                    raise ValueError(f"{path}: expected {expected} bytes, found {found}; the dataset is damaged, preprocess it again")
+                    raise ValueError(
+                        f"{path}: expected {expected} bytes, found {found}; the dataset is damaged, preprocess it again"
+                    )
             self.tokens.append(np.memmap(bin_path, dtype=dtype, mode="r"))
             self.offsets.append(np.memmap(idx_path, dtype="<i8", mode="r"))
             self.starts.append(self.starts[-1] + shard["tokens"])

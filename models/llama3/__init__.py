@@ -1,33 +1,34 @@
-"""Llama 3 / 3.1 / 3.2: the model, its published sizes ("flavors") and how to parallelize it.
-
-train.py uses what this package exports: Transformer, build_model_args, parallelize, and for
-pipeline parallelism split_for_pipeline and build_pipeline_schedule. components/hf.py (Hugging Face
-export and import) uses to_hf, from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. A forked
-model provides the same."""
+"""Llama 3 / 3.1 / 3.2: the model, its published sizes ("flavors"), how to parallelize it and its
+Hugging Face names. `__all__` below is this package's side of the model-package contract
+(docs/models.md): the only names train.py, components/ and scripts/ use. A forked model exports the same."""
 
 from components.config import Config
-from models.llama3.hf import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
+from models.llama3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
 from models.llama3.model import ModelArgs, Transformer
-from models.llama3.parallelize import parallelize_llama as parallelize
-from models.llama3.pipeline import build_llama_schedule as build_pipeline_schedule
-from models.llama3.pipeline import split_llama as split_for_pipeline
+from models.llama3.parallelize import parallelize_llama as parallelize, tensor_parallel_plan
+from models.llama3.pipeline import split_llama as split_for_pipeline, stages_per_rank
 
 _LLAMA31_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=8.0)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=32.0)
 
 flavors = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, rope_theta=500000.0),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, tie_embeddings=True, **_LLAMA32_ROPE),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, tie_embeddings=True, **_LLAMA32_ROPE),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31_ROPE),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31_ROPE),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31_ROPE),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                    tie_embeddings=True, **_LLAMA32_ROPE),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+                    tie_embeddings=True, **_LLAMA32_ROPE),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                    **_LLAMA31_ROPE),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                     **_LLAMA31_ROPE),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                      **_LLAMA31_ROPE),
 }
 
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "ffn_dim", "norm_eps", "rope_theta",
-    "use_rope_scaling", "rope_scaling_factor", "tie_embeddings", "vocab_size",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "ffn_dim", "norm_eps",
+    "rope_theta", "use_rope_scaling", "rope_scaling_factor", "tie_embeddings", "vocab_size",
 )
 
 
@@ -42,7 +43,8 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
         if value is not None:
             setattr(args, key, value)
     if args.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
+                         f"than the tokenizer's vocabulary ({vocab_size})")
     if args.dim % args.n_heads:
         raise ValueError(f"model.dim {args.dim} is not divisible by model.n_heads {args.n_heads}")
     if args.n_heads % (args.n_kv_heads or args.n_heads):
@@ -55,6 +57,10 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
 
 
 __all__ = [
-    "HF_CONFIG_KEYS", "ModelArgs", "Transformer", "build_model_args", "build_pipeline_schedule", "flavors", "from_hf",
-    "hf_config", "model_args_from_hf", "parallelize", "split_for_pipeline", "to_hf",
+    # the model
+    "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # parallelism
+    "parallelize", "tensor_parallel_plan", "split_for_pipeline", "stages_per_rank",
+    # Hugging Face interop
+    "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 ]

@@ -5,7 +5,8 @@ SwiGLU feed-forward.
 Document masking: given the document number of every token of a packed window (`document_ids`),
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
 positions restart at 0 at each document. The mask is built once per forward and shared by all
-layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere.
+layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere (models/attention.py,
+shared by the model families).
 
 The model is built on the meta device and filled by `init_weights()` after it has been
 parallelized, so every method here works on plain tensors and on DTensors alike.
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from components.data.documents import document_positions
+from models.attention import apply_rope, causal_attention, document_mask, masked_attention
 
 
 @dataclass
@@ -93,70 +95,10 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
         )
         scaled = freqs / args.rope_scaling_factor
         between = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs  # transformers' order: same bits
-        freqs = torch.where(wavelen > low_freq_wavelen, scaled, torch.where(wavelen < high_freq_wavelen, freqs, between))
+        freqs = torch.where(wavelen > low_freq_wavelen, scaled,
+                            torch.where(wavelen < high_freq_wavelen, freqs, between))
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x[i], x[i + head_dim/2]) of each head by the angles in `rope` (the
-    "rotate-half" layout of Hugging Face's Llama, see the class docstring of Transformer).
-
-    x: (batch, seq, heads, head_dim). rope is either shared by the batch rows, (at least seq,
-    head_dim // 2, 2), of which the first seq rows are used, or one per row, (batch, seq,
-    head_dim // 2, 2) (per-document positions). For the shared form the attention's own input
-    decides the length because a pipeline stage's input may be a sequence shard (tensor + sequence
-    parallel) that attention gathers whole."""
-    if rope.dim() == 3:
-        rope = rope[: x.shape[1]][None]
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
-    first, second = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    return rotated.type_as(x)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-
-
-# Compiled once at import (compilation itself happens on first call): eager flex_attention
-# materializes the whole score matrix; compiled, it is a fused kernel that skips masked blocks.
-compiled_flex_attention = torch.compile(flex_attention)
-
-
-def use_flex_attention(device: torch.device) -> bool:
-    """Document masking runs FlexAttention on CUDA and a dense boolean mask through SDPA elsewhere.
-
-    torch 2.13's flex_attention runs forward on CPU, eager or compiled, but has no backward there
-    (and its compiled CPU kernel fails to lower inside a compiled block), so CPU training takes the
-    dense mask. Tests patch this function to run the flex path on CPU."""
-    return device.type == "cuda"
-
-
-def document_mask(document_ids: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
-    """The mask letting each query see the keys at or before it in the same document.
-
-    document_ids: (batch, seq). Returns a FlexAttention BlockMask if `flex`, else a boolean
-    (batch, 1, seq, seq) mask (True: attend) that broadcasts over the heads, however many a
-    tensor-parallel rank holds."""
-    batch, seq = document_ids.shape
-    if flex:
-
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
-
-        return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device=document_ids.device)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
-    """Attention over (batch, heads, seq, head_dim) under a `document_mask`; k/v may have fewer heads."""
-    gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -181,7 +123,8 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -225,7 +168,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.out_std)
         self.feed_forward.init_weights(self.out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
         x = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -249,7 +193,7 @@ class Transformer(nn.Module):
     ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in
     Meta's interleaved-complex reference. The two layouts are the same model up to a permutation
     of the rows of wq and wk within each head; with HF's layout the weights of an HF checkpoint are
-    used as they are (models/llama3/hf.py only renames them), so that even a sharded rank whose
+    used as they are (models/llama3/hf_mapping.py only renames them), so that even a sharded rank whose
     shard cuts through a head can load its own piece directly."""
 
     def __init__(self, args: ModelArgs):
@@ -287,7 +231,7 @@ class Transformer(nn.Module):
             if self.positions is not None:
                 raise NotImplementedError("document masking is not supported with context parallelism")
             # Built once here and shared by every layer.
-            mask = document_mask(document_ids, flex=use_flex_attention(tokens.device))
+            mask = document_mask(document_ids)
             if self.args.rope_per_document:
                 rope = self.rope[document_positions(document_ids)]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():

@@ -16,32 +16,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
+from components.layout_checks import uses_fsdp
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.float8 import convert_to_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
-
-def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
-    """Name the settings this version cannot apply yet rather than silently ignoring them."""
-    unsupported = {
-        # Dynamo would trace the statistics hooks into the compiled blocks.
-        "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
-        # The document ids would have to travel with the pipeline's micro-batches, and context
-        # parallelism's attention builds its own mask.
-        "training.document_masking with pipeline or context parallelism": config.training.document_masking and dims.pp * dims.cp > 1,
-    }
-    named = [key for key, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(f"not available yet: {', '.join(named)}; leave these at their defaults")
-    if config.model.rope_per_document and not config.training.document_masking:
-        raise ConfigError("model.rope_per_document needs training.document_masking = true (it restarts positions at document boundaries)")
-    if config.parallelism.enable_async_tensor_parallel and (dims.tp == 1 or not config.compile.enable or device.type != "cuda"):
-        raise ConfigError(
-            "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
-            f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
-        )
 
 
 def check_tp_fits(model: nn.Module, tp: int) -> None:
@@ -78,7 +59,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
         block = f"layers.{name}"
         plan |= {
             f"{block}.attention_norm": SequenceParallel(),
-            f"{block}.attention": PrepareInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            f"{block}.attention": PrepareInput(input_layouts=(Shard(1), None),
+                                               desired_input_layouts=(Replicate(), None)),
             f"{block}.attention.wq": Colwise(),
             f"{block}.attention.wk": Colwise(),
             f"{block}.attention.wv": Colwise(),
@@ -92,14 +74,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     return plan
 
 
-def uses_fsdp(config: Config, dims: ParallelDims) -> bool:
-    """FSDP shards over data-parallel (and context-parallel) ranks; on one rank it still provides
-    bf16 mixed precision."""
-    return dims.dp * dims.cp > 1 or config.training.mixed_precision_param != "float32"
-
-
-def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config, device: torch.device) -> nn.Module:
-    check_supported(config, dims, device)
+def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config,
+                      device: torch.device) -> nn.Module:
     if config.float8.enable:
         convert_to_float8(model, config.float8.recipe_name, config.float8.filter_fqns, device,
                           config.float8.enable_fsdp_float8_all_gather and uses_fsdp(config, dims))
@@ -112,7 +88,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
             enable_async_tensor_parallel(mesh["tp"])
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"], config.training.seq_len)
-    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
+                                   config.activation_checkpoint.selective_ac_option)
     if config.compile.enable:
         compile_blocks(model.layers)
     if uses_fsdp(config, dims):

@@ -5,26 +5,20 @@ Call order (train.py):
     1. model built on meta (or, on CPU, materialized and initialized: parts then copy its weights);
     2. model_parts, stage_ids, num_stages = split_llama(model, pp_mesh, config)
     3. parallelize each part (TP / FSDP / ...), then to_empty() + init_weights() each part if not done in 1;
-    4. schedule = build_llama_schedule(model_parts, stage_ids, num_stages, pp_mesh, config, device, loss_fn,
-                                       grad_accum_steps)
-    5. every micro-step: schedule.step(inputs [first stage only], target=labels [last stage only],
-       losses=list [last stage only]); losses hold loss / (n_microbatches * grad_accum_steps) per
-       micro-batch, so the reported loss is the sum of all of them over the optimizer step.
-
-The PipelineStage objects are built in step 4, after the parts have their final form and device,
-so that they wrap exactly the modules that will run.
+    4. pipeline = build_pipeline(model_parts, stage_ids, num_stages, pp_mesh, config, device, loss_fn,
+                                 grad_accum_steps)  (parallelisms/pipeline.py, not model-specific)
+    5. every micro-step: pipeline.run(inputs, labels, train); its losses hold
+       loss / (n_microbatches * grad_accum_steps) per micro-batch, so the reported loss is the sum of
+       all of them over the optimizer step.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
 from components.config import Config, ConfigError
 from parallelisms.pipeline import (
-    build_pipeline_schedule,
     is_multi_stage,
     is_v_style,
     split_module,
@@ -93,30 +87,3 @@ def split_llama(model: nn.Module, pp_mesh: DeviceMesh, config: Config) -> tuple[
     names = pipeline_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, per_rank, is_v_style(p.pipeline_parallel_schedule))
     return [split_module(model, names[stage]) for stage in stage_ids], stage_ids, num_stages
-
-
-def build_llama_schedule(
-    model_parts: list[nn.Module],
-    stage_ids: list[int],
-    num_stages: int,
-    pp_mesh: DeviceMesh,
-    config: Config,
-    device: torch.device,
-    loss_fn,
-    grad_accum_steps: int = 1,
-):
-    """The schedule running this rank's (parallelized, materialized) parts; see the module docstring
-    for how step() is called and its losses reported."""
-    p = config.parallelism
-    local_batch, mb_size = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
-    if mb_size < 1 or local_batch % mb_size:
-        raise ConfigError(
-            f"training.local_batch_size {local_batch} must be a multiple of "
-            f"parallelism.pipeline_parallel_microbatch_size {mb_size}"
-        )
-    group = pp_mesh.get_group()
-    stages = [
-        PipelineStage(part, stage_id, num_stages, device, group=group) for part, stage_id in zip(model_parts, stage_ids)
-    ]
-    return build_pipeline_schedule(stages, p.pipeline_parallel_schedule, local_batch // mb_size, loss_fn, grad_accum_steps)
-

@@ -1,6 +1,6 @@
 """Train a small sentencepiece BPE tokenizer on the "text" field of JSONL files.
 
-    python -m components.train_tokenizer --input tests/assets/shakespeare/train.jsonl \
+    python -m scripts.train_tokenizer --input tests/assets/shakespeare/train.jsonl \
         --vocab-size 4096 --output tests/assets/tokenizers/shakespeare_bpe_4k.model
 
 The model is lossless: identity normalization, no dummy prefix, whitespace kept as is, and byte
@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import io
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,23 +64,25 @@ def train(paths: list[Path], vocab_size: int, text_field: str = "text") -> bytes
     return model.getvalue()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.train_tokenizer", description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, nargs="+", required=True, help="JSONL files, one document per line")
     parser.add_argument("--vocab-size", type=int, required=True, help="total, special and byte tokens included")
     parser.add_argument("--output", type=Path, required=True, help="where to write the .model file")
     parser.add_argument("--text-field", default="text")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     documents = sum(1 for _ in read_documents(args.input, args.text_field))
-    print(f"training a {args.vocab_size}-token BPE model on {documents} documents from {', '.join(map(str, args.input))}")
+    sources = ", ".join(map(str, args.input))
+    print(f"training a {args.vocab_size}-token BPE model on {documents} documents from {sources}")
     started = time.perf_counter()
     model = train(args.input, args.vocab_size, args.text_field)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_bytes(model)
     print(f"wrote {args.output} ({len(model):,} bytes, sha256 {hashlib.sha256(model).hexdigest()[:16]}) "
           f"in {time.perf_counter() - started:.1f}s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Throughput of the preprocessing CLI (components/data/preprocess.py) on a synthetic corpus.
+"""Throughput of preprocessing (scripts/preprocess) on a synthetic corpus.
 
 Builds a JSON-lines corpus of at least --mb megabytes (default 50) in a temporary folder from the
 shipped Shakespeare corpus (tests/assets/shakespeare/train.jsonl): copy r of each document has its
@@ -9,9 +9,9 @@ core does, unaffected by other load on the machine) and input MB/s.
 
 Run from the repository root:
 
-    python benchmarks/preprocess_throughput.py                       # 50 MB, default sentencepiece tokenizer
-    python benchmarks/preprocess_throughput.py --mb 200 --workers 1 4 8
-    python benchmarks/preprocess_throughput.py --tokenizer tests/assets/tokenizers/gpt2.tiktoken
+    python -m scripts.benchmarks.preprocess_throughput                  # 50 MB, default sentencepiece tokenizer
+    python -m scripts.benchmarks.preprocess_throughput --mb 200 --workers 1 4 8
+    python -m scripts.benchmarks.preprocess_throughput --tokenizer tests/assets/tokenizers/gpt2.tiktoken
 
 Target: at least 500K tokens/s per core with the default sentencepiece tokenizer.
 """
@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from scripts.preprocess import default_workers, preprocess
 
-from components.data.preprocess import default_workers, preprocess  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests/assets/shakespeare/train.jsonl"
 DEFAULT_TOKENIZER = REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model"
 
@@ -55,7 +52,8 @@ def build_corpus(path: Path, megabytes: float) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=50, help="corpus size in MB (default: %(default)s)")
-    parser.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts to run (default: 1 and all CPUs)")
+    parser.add_argument("--workers", type=int, nargs="+", default=None,
+                        help="worker counts to run (default: 1 and all CPUs)")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
     args = parser.parse_args()
     counts = args.workers or sorted({1, default_workers()})
@@ -75,9 +73,11 @@ def main() -> None:
             rows.append((workers, seconds, tokens, tokens / seconds, tokens / seconds / max(workers, 1),
                          tokens / result.worker_cpu_seconds, size / 1e6 / seconds))
         print()
-        print(f"{'workers':>7} {'seconds':>8} {'tokens':>12} {'tokens/s':>12} {'per worker':>12} {'per CPU-s':>12} {'MB/s':>7}")
+        print(f"{'workers':>7} {'seconds':>8} {'tokens':>12} {'tokens/s':>12} {'per worker':>12} "
+              f"{'per CPU-s':>12} {'MB/s':>7}")
         for workers, seconds, tokens, total, per_worker, per_cpu, mbs in rows:
-            print(f"{workers:>7} {seconds:>8.1f} {tokens:>12,} {total:>12,.0f} {per_worker:>12,.0f} {per_cpu:>12,.0f} {mbs:>7.1f}")
+            print(f"{workers:>7} {seconds:>8.1f} {tokens:>12,} {total:>12,.0f} {per_worker:>12,.0f} "
+                  f"{per_cpu:>12,.0f} {mbs:>7.1f}")
 
 
 if __name__ == "__main__":

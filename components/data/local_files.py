@@ -1,12 +1,13 @@
-"""Training data from local files: documents tokenized with BOS/EOS, packed into fixed windows.
+"""Training data read from local files with Hugging Face `datasets` and packed on the fly (`training.dataset = "hf"`).
 
-The corpus is read as one global stream: every document, in order, as BOS + tokens + EOS, cut into
-windows of seq_len + 1 tokens (inputs and labels shifted by one). Window g goes to data-parallel rank
-g % dp_size, so one optimizer step always consumes the next global_batch_size windows of the stream,
-whatever the layout. The loader's position is stored as a point in that global stream (document,
-token offset, windows consumed), identical on every rank: a checkpoint resumes exactly, also under a
-different data-parallel degree. Every rank tokenizes the whole stream, which is cheap at the sizes
-this on-the-fly path is for.
+The files are JSON lines, text or Parquet (or a `datasets` save_to_disk folder); nothing is prepared
+ahead, which suits small data. The corpus is read as one global stream: every document, in order, as
+BOS + tokens + EOS, cut into windows of seq_len + 1 tokens (inputs and labels shifted by one). Window g
+goes to data-parallel rank g % dp_size, so one optimizer step always consumes the next
+global_batch_size windows of the stream, whatever the layout. The loader's position is stored as a
+point in that global stream (document, token offset, windows consumed), identical on every rank: a
+checkpoint resumes exactly, also under a different data-parallel degree. Every rank tokenizes the whole
+stream, which is cheap at the sizes this on-the-fly path is for.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _data_files(path: str, setting: str) -> list[Path]:
         raise FileNotFoundError(f"{setting}: no data files at {path!r} (JSON/JSONL, text or Parquet)")
     kinds = {_builder(f) for f in files}
     if None in kinds or len(kinds) > 1:
-        raise ValueError(f"{setting} {path!r}: mixes or has unknown formats ({', '.join(sorted(str(f) for f in files[:5]))})")
+        shown = ", ".join(sorted(str(f) for f in files[:5]))
+        raise ValueError(f"{setting} {path!r}: mixes or has unknown formats ({shown})")
     return files
 
 
@@ -91,7 +93,9 @@ def load_documents(paths: list[str], text_field: str, setting: str = "training.d
                 where = _first_bad_json_line(files) if builder == "json" else None
                 raise ValueError(f"{setting}: cannot read {path!r}: {where or e}") from e
         if text_field not in docs.column_names:
-            raise ValueError(f"{setting} {path!r} has no field {text_field!r} (columns: {', '.join(docs.column_names)}); set training.dataset_text_field")
+            columns = ", ".join(docs.column_names)
+            raise ValueError(f"{setting} {path!r} has no field {text_field!r} (columns: {columns}); "
+                             "set training.dataset_text_field")
         if len(docs) == 0:
             raise ValueError(f"{setting} {path!r} holds no documents")
         parts.append(docs.select_columns([text_field]))
@@ -137,8 +141,9 @@ class PackedDocuments(IterableDataset):
         self.position = {k: int(state[k]) for k in ("epoch", "document", "offset", "windows")}
 
 
-def build_hf_dataloader(paths: list[str], text_field: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                        dp_rank: int, dp_size: int, setting: str = "training.dataset_path") -> StatefulDataLoader:
+def build_local_files_dataloader(paths: list[str], text_field: str, tokenizer: Tokenizer, seq_len: int,
+                                 local_batch_size: int, dp_rank: int, dp_size: int,
+                                 setting: str = "training.dataset_path") -> StatefulDataLoader:
     """Batches of shape (local_batch_size, seq_len + 1); `state_dict()` goes into checkpoints."""
     docs = load_documents(paths, text_field, setting)
     dataset = PackedDocuments(docs, text_field, tokenizer, seq_len, dp_rank, dp_size)

@@ -1,19 +1,18 @@
 """Tokens/s of ingot's trainer against a bare PyTorch loop on the same model and batch.
 
-    python benchmarks/framework_overhead.py [--steps 40] [extra train.py flags]
+    python -m scripts.benchmarks.framework_overhead [--steps 40] [extra train.py flags]
 
 Both run the debug model (train_configs/debug_model.toml) for the same number of steps in this
 process on one rank; the first `--warmup` steps are left out of both rates. The bare loop is what
 ingot does minus everything around the math: random token batches prepared up front, AdamW
-(the configured implementation, fused by default), a constant lr, gradient clipping, no data loading, logging, metrics or checkpoints.
+(the configured implementation, fused by default), a constant lr, gradient clipping, no data loading,
+logging, metrics or checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,22 +20,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import train  # noqa: E402
-from components.config import load_config  # noqa: E402
-from components.tokenizer import build_tokenizer  # noqa: E402
-from models.llama3 import Transformer, build_model_args  # noqa: E402
+import train
+from components.config import load_config
+from components.metrics import read_metrics
+from components.tokenizer import build_tokenizer
+from models.llama3 import Transformer, build_model_args
 
 
 def ingot_tokens_per_second(steps: int, warmup: int, extra: list[str]) -> float:
     with tempfile.TemporaryDirectory() as dump:
-        argv = ["--job.config_file", "debug_model.toml", "--training.steps", str(steps), "--checkpoint.enable", "false",
-                "--metrics.log_freq", "1", "--job.dump_folder", dump, *extra]
+        argv = ["--job.config_file", "debug_model.toml", "--training.steps", str(steps), "--checkpoint.enable",
+                "false", "--metrics.log_freq", "1", "--job.dump_folder", dump, *extra]
         if train.main(argv) != 0:
             raise SystemExit("the ingot run failed")
-        rates = [json.loads(line)["tokens_per_second"] for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        rates = [record["tokens_per_second"] for record in read_metrics(Path(dump) / "metrics.jsonl")[0]]
     # Each logged rate covers one step; the harmonic mean of per-step rates is total tokens / total time.
     return statistics.harmonic_mean(rates[warmup:])
 
@@ -48,9 +45,11 @@ def bare_tokens_per_second(steps: int, warmup: int, extra: list[str]) -> float:
     torch.manual_seed(training.seed)
     model = Transformer(args)
     model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, betas=(config.optimizer.beta1, config.optimizer.beta2),
-                                  weight_decay=config.optimizer.weight_decay,
-                                  fused=config.optimizer.implementation == "fused", foreach=config.optimizer.implementation == "foreach")
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay,
+        fused=opt.implementation == "fused", foreach=opt.implementation == "foreach",
+    )
     batches = torch.randint(0, args.vocab_size, (steps, training.local_batch_size, training.seq_len + 1))
     times = []
     for batch in batches:
@@ -69,13 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="alternate the two this many times; report the best of each")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternate the two this many times; report the best of each")
     known, extra = parser.parse_known_args()
     ingot, bare = [], []
     for _ in range(known.repeats):
         ingot.append(ingot_tokens_per_second(known.steps, known.warmup, extra))
         bare.append(bare_tokens_per_second(known.steps, known.warmup, extra))
-    print(f"threads: {torch.get_num_threads()}  steps: {known.steps} (first {known.warmup} left out)  repeats: {known.repeats}")
+    print(f"threads: {torch.get_num_threads()}  steps: {known.steps} (first {known.warmup} left out)  "
+          f"repeats: {known.repeats}")
     print(f"ingot train.py : {max(ingot):9,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in ingot)})")
     print(f"bare loop      : {max(bare):9,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in bare)})")
     print(f"ratio          : {max(ingot) / max(bare):.3f}")

@@ -1,62 +1,32 @@
 """Find the fastest settings that fit a memory budget by running short trainings.
 
-    python -m components.autotune --job.config_file debug_model.toml --memory-budget-gib 2 --steps 6 \\
-        [--training.seq_len 128 ...]  [--batch-sizes 1,2,4,8 | --max-batch 16] [--ac-modes none,op,full] \\
-        [--compile off,on] [--float8 off,on] [--output DIR] [--exhaustive] [--dry-run]
-
-The search space is local batch size (powers of two from 1 up to the configured local_batch_size,
-or --max-batch) x activation checkpointing (none; selective "op"; full; or a number N for
-selective every N-th block) x compile.enable (x float8.enable where a CUDA GPU with float8 matmuls,
-compute capability 8.9 or newer, is present). Every other setting comes from the config and the
-`--section.key value` overrides given here, which are passed to every run.
-
-Each candidate is first estimated with components.memory_estimate (a second or so, nothing
-allocated) and skipped if the estimate exceeds the budget. Otherwise train.py runs it for --steps
-steps (with `--checkpoint.enable false --validation.enable false --metrics.log_freq 1` and a
-dump folder of its own), under torchrun when the layout has several ranks (the product of the
-[parallelism] degrees; data_parallel_shard_degree = -1 takes every local GPU, or --world-size).
-Its throughput is the median of the per-step tokens/s in metrics.jsonl after the warm-up steps
-(the first 2, or 3 with compile, whose first steps compile); its peak memory is the largest
-memory_gib of any step. A run that fails (out of memory or otherwise) or whose peak exceeds the
-budget is discarded.
-
-The global batch keeps its meaning: when the configured global batch (training.global_batch_size,
-or local_batch_size x data-parallel degree when that is -1) is a multiple of a candidate's local
-batch x dp, it is pinned, so that only gradient accumulation changes and every candidate trains
-the same way. A candidate whose local batch does not divide it runs with global_batch_size -1, i.e.
-a global batch of local x dp: that changes the optimization (the table says so), even though
-tokens/s per device stay comparable.
-
-Pruning: at a given batch size and compile setting, more recomputation never makes a run faster,
-so the modes are tried from the least recomputation (none) on and the first that fits is kept; the
-next batch size starts at that mode (a larger batch needs at least as much checkpointing), and when
-no mode fits a batch size, larger ones are not tried. --exhaustive runs every candidate instead
-(still skipping, per mode, the batch sizes above one whose estimate or measured peak was over the
-budget).
-
-The ranked table goes to stdout and, with --output, to <output>/autotune.md (the runs' folders then
-stay under <output>/runs); the winner is printed as a ready-to-paste command line.
+Candidates (local batch size x activation checkpointing x compile, x float8 where the GPU has it) are
+first checked against the budget with the memory estimator, so that only those that may fit are run;
+the least recomputation that fits is kept per batch size. docs/ablations.md describes the search,
+the pruning and how throughput is measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from components.config import Config, ConfigError, load_config
+from components.batch import BatchPlan, batch_plan
+from components.config import REPO_ROOT, Config, ConfigError, Training, load_config
+from components.distributed import ParallelDims
+from components.metrics import read_metrics
+from scripts.memory_estimate import cpu_baseline_bytes, estimate
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 AC_MODES = ("none", "op", "full")
 
 
@@ -76,11 +46,13 @@ class Candidate:
     """The pinned training.global_batch_size, or -1 (local x dp)."""
 
     def overrides(self) -> list[str]:
-        out = ["--training.local_batch_size", str(self.local_batch), "--training.global_batch_size", str(self.global_batch)]
+        out = ["--training.local_batch_size", str(self.local_batch),
+               "--training.global_batch_size", str(self.global_batch)]
         if self.ac in ("none", "full"):
             out += ["--activation_checkpoint.mode", self.ac]
         else:
-            out += ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", self.ac]
+            out += ["--activation_checkpoint.mode", "selective",
+                    "--activation_checkpoint.selective_ac_option", self.ac]
         out += ["--compile.enable", str(self.compile).lower()]
         if self.float8:
             out += ["--float8.enable", "true"]
@@ -89,18 +61,26 @@ class Candidate:
     @property
     def name(self) -> str:
         """A folder name for the run."""
-        return f"b{self.local_batch}_ac-{self.ac}_compile-{'on' if self.compile else 'off'}" + ("_float8" if self.float8 else "")
+        name = f"b{self.local_batch}_ac-{self.ac}_compile-{'on' if self.compile else 'off'}"
+        return name + ("_float8" if self.float8 else "")
 
     def describe(self, dp: int) -> str:
         ac = {"none": "AC none", "op": "AC op", "full": "AC full"}.get(self.ac, f"AC every {self.ac}")
         text = f"batch {self.local_batch}, {ac}, compile {'on' if self.compile else 'off'}"
         if self.float8:
             text += ", float8"
+        batch = batch_of(self.local_batch, self.global_batch, dp)
         if self.global_batch == -1:
-            text += f" (global {self.local_batch * dp}: changes the optimization)"
+            text += f" (global {batch.global_batch}: changes the optimization)"
         else:
-            text += f" (accumulation {self.global_batch // (self.local_batch * dp)})"
+            text += f" (accumulation {batch.grad_accum_steps})"
         return text
+
+
+def batch_of(local_batch: int, global_batch: int, dp: int) -> BatchPlan:
+    """train.py's batch plan of a local and a global batch size (-1: local x dp) on `dp` ranks; a
+    ConfigError where the global batch is not a multiple of local x dp. seq_len plays no part here."""
+    return batch_plan(Training(local_batch_size=local_batch, global_batch_size=global_batch), dp)
 
 
 @dataclass
@@ -114,11 +94,17 @@ class SearchSpace:
     dp: int
 
     def candidate(self, batch: int, ac: str, compile_: bool, float8: bool) -> Candidate:
-        pinned = self.global_batch if self.global_batch % (batch * self.dp) == 0 else -1
+        """Pinned to the configured global batch where it is a multiple of batch x dp, else -1."""
+        try:
+            batch_of(batch, self.global_batch, self.dp)
+            pinned = self.global_batch
+        except ConfigError:
+            pinned = -1
         return Candidate(batch, ac, compile_, float8, pinned)
 
     def all(self) -> list[Candidate]:
-        return [self.candidate(b, a, c, f) for f in self.float8 for c in self.compile for a in self.ac_modes for b in self.batch_sizes]
+        return [self.candidate(b, a, c, f)
+                for f in self.float8 for c in self.compile for a in self.ac_modes for b in self.batch_sizes]
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -141,6 +127,10 @@ def _parse_bools(text: str) -> list[bool]:
             raise ConfigError(f"expected a list of on/off, got {text!r}")
         out.append(values[item.strip().lower()])
     return list(dict.fromkeys(out))
+
+
+def _on_off(values: list[bool]) -> str:
+    return ",".join("on" if v else "off" for v in values)
 
 
 def _parse_modes(text: str) -> list[str]:
@@ -172,20 +162,6 @@ class Result:
         return self.status == "ok"
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The training records (with tokens_per_second) of a metrics.jsonl; validation records are left out."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            record = json.loads(line)
-            if "tokens_per_second" in record:
-                records.append(record)
-    return records
-
-
 def summarize(records: list[dict], warmup: int) -> tuple[float | None, float | None, int]:
     """(median tokens/s over the steps after the first `warmup`, peak memory_gib of all steps,
     number of steps the median is over). With no step past the warm-up, the last step counts."""
@@ -193,7 +169,8 @@ def summarize(records: list[dict], warmup: int) -> tuple[float | None, float | N
         return None, None, 0
     records = sorted(records, key=lambda r: r["step"])
     measured = [r for r in records if r["step"] > warmup] or records[-1:]
-    return (statistics.median(r["tokens_per_second"] for r in measured), max(r["memory_gib"] for r in records), len(measured))
+    peak = max(r["memory_gib"] for r in records)
+    return statistics.median(r["tokens_per_second"] for r in measured), peak, len(measured)
 
 
 def rank(results: list[Result]) -> list[Result]:
@@ -208,8 +185,11 @@ def rank(results: list[Result]) -> list[Result]:
 
 
 def search(space: SearchSpace, budget_gib: float, estimate_fn: Callable[[Candidate], float],
-           run_fn: Callable[[Candidate], Result], exhaustive: bool = False, log: Callable[[str], None] = print) -> list[Result]:
-    """Try the candidates of `space` (see the module docstring for the order and the pruning).
+           run_fn: Callable[[Candidate], Result], exhaustive: bool = False,
+           log: Callable[[str], None] = print) -> list[Result]:
+    """Try the candidates of `space`: one runs only if its estimate fits the budget, and counts only if
+    it then runs within it. The order and the pruning (docs/ablations.md, Autotune) rest on more
+    recomputation never being faster at the same batch size and compile setting.
     estimate_fn(candidate) -> GiB; run_fn(candidate) -> Result with status ok/failed..., its
     tokens_per_second and peak_gib. Returns every candidate considered, in the order tried."""
     results: list[Result] = []
@@ -232,8 +212,10 @@ def search(space: SearchSpace, budget_gib: float, estimate_fn: Callable[[Candida
             result.estimate_gib = est
             if result.ok and result.peak_gib is not None and result.peak_gib > budget_gib:
                 result.status = f"over budget: measured {result.peak_gib:.2f} GiB"
-            log(f"  {c.name}: {result.status}" + (f", {result.tokens_per_second:,.0f} tokens/s, peak {result.peak_gib:.2f} GiB"
-                                                   if result.tokens_per_second is not None else ""))
+            measured = ""
+            if result.tokens_per_second is not None:
+                measured = f", {result.tokens_per_second:,.0f} tokens/s, peak {result.peak_gib:.2f} GiB"
+            log(f"  {c.name}: {result.status}{measured}")
         results.append(result)
         return result
 
@@ -271,7 +253,8 @@ def world_size_of(config: Config, world_size: int | None = None) -> int:
     """Processes a run needs: the product of the degrees; data_parallel_shard_degree = -1 takes the
     local GPUs (one process without CUDA) unless world_size is given."""
     p = config.parallelism
-    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    others = (p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+              * p.pipeline_parallel_degree)
     if p.data_parallel_shard_degree != -1:
         return others * p.data_parallel_shard_degree
     if world_size is not None:
@@ -280,7 +263,8 @@ def world_size_of(config: Config, world_size: int | None = None) -> int:
     return others * max(1, gpus // others)
 
 
-def train_command(base_args: list[str], candidate: Candidate, steps: int, dump_folder: Path, world_size: int) -> list[str]:
+def train_command(base_args: list[str], candidate: Candidate, steps: int, dump_folder: Path,
+                  world_size: int) -> list[str]:
     """train.py (under torchrun for several ranks) with the user's arguments, the candidate's and the
     short-run settings."""
     launcher = [sys.executable]
@@ -297,22 +281,22 @@ def run_candidate(base_args: list[str], candidate: Candidate, *, steps: int, run
                   warmup: int | None = None, timeout: float = 900) -> Result:
     """Train `candidate` for `steps` steps in a fresh process and read its metrics.jsonl."""
     dump = runs_folder / candidate.name
-    if dump.exists():
-        for stale in (dump / "metrics.jsonl",):
-            stale.unlink(missing_ok=True)
     dump.mkdir(parents=True, exist_ok=True)
+    (dump / "metrics.jsonl").unlink(missing_ok=True)  # from an earlier autotune into the same --output
     command = train_command(base_args, candidate, steps, dump, world_size)
     start = time.perf_counter()
     with open(dump / "run.log", "w") as log:
         log.write(shlex.join(command) + "\n")
         log.flush()
         try:
-            rc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
     seconds = time.perf_counter() - start
     warmup = (3 if candidate.compile else 2) if warmup is None else warmup
-    tps, peak, measured = summarize(read_metrics(dump / "metrics.jsonl"), warmup)
+    train, _ = read_metrics(dump / "metrics.jsonl")
+    tps, peak, measured = summarize(train, warmup)
     result = Result(candidate, "ok", tokens_per_second=tps, peak_gib=peak, measured_steps=measured, seconds=seconds)
     if rc != 0 or tps is None:
         text = (dump / "run.log").read_text(errors="replace")
@@ -322,7 +306,8 @@ def run_candidate(base_args: list[str], candidate: Candidate, *, steps: int, run
             result.status = "failed: out of memory" + (" (killed)" if rc in (-9, 137) else "")
         else:
             errors = [line for line in text.splitlines() if "error" in line.lower()]
-            result.status = f"failed (exit {rc}): " + (errors[-1].strip()[:120] if errors else f"see {dump / 'run.log'}")
+            reason = errors[-1].strip()[:120] if errors else f"see {dump / 'run.log'}"
+            result.status = f"failed (exit {rc}): {reason}"
     return result
 
 
@@ -332,7 +317,8 @@ def run_candidate(base_args: list[str], candidate: Candidate, *, steps: int, run
 
 
 def table(results: list[Result], dp: int) -> str:
-    lines = ["| rank | candidate | tokens/s | peak GiB | estimate GiB | status |", "| ---: | --- | ---: | ---: | ---: | --- |"]
+    lines = ["| rank | candidate | tokens/s | peak GiB | estimate GiB | status |",
+             "| ---: | --- | ---: | ---: | ---: | --- |"]
     for i, r in enumerate(rank(results), 1):
         tps = f"{r.tokens_per_second:,.0f}" if r.tokens_per_second is not None else "-"
         peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"
@@ -362,28 +348,33 @@ def winner_command(base_args: list[str], winner: Candidate, world_size: int) -> 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m components.autotune", description=__doc__.split("\n\n")[0],
+        prog="python -m scripts.autotune", description=__doc__.split("\n\n")[0],
         epilog="Any other --section.key value argument is a config override passed to every run.",
     )
     parser.add_argument("--memory-budget-gib", type=float, required=True, help="peak memory per rank allowed")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 2, 3 with compile)")
-    parser.add_argument("--batch-sizes", type=str, default=None, help="comma-separated local batch sizes (default: powers of two)")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest power of two tried (default: the configured local batch)")
-    parser.add_argument("--ac-modes", type=str, default="none,op,full", help="from least to most recomputation (default none,op,full)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="steps left out of the median (default 2, 3 with compile)")
+    parser.add_argument("--batch-sizes", type=str, default=None,
+                        help="comma-separated local batch sizes (default: powers of two)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="largest power of two tried (default: the configured local batch)")
+    parser.add_argument("--ac-modes", type=str, default="none,op,full",
+                        help="from least to most recomputation (default none,op,full)")
     parser.add_argument("--compile", type=str, default="off,on", help="compile settings to try (default off,on)")
-    parser.add_argument("--float8", type=str, default=None, help="float8 settings (default off,on on GPUs with float8, else off)")
-    parser.add_argument("--world-size", type=int, default=None, help="processes per run when data_parallel_shard_degree is -1")
+    parser.add_argument("--float8", type=str, default=None,
+                        help="float8 settings (default off,on on GPUs with float8, else off)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes per run when data_parallel_shard_degree is -1")
     parser.add_argument("--output", type=str, default=None, help="folder for autotune.md and the runs")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
-    parser.add_argument("--exhaustive", action="store_true", help="run every candidate, not only the least recomputation that fits")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="run every candidate, not only the least recomputation that fits")
     parser.add_argument("--dry-run", action="store_true", help="print the candidates and their estimates, run nothing")
     return parser.parse_known_args(argv)
 
 
 def build_space(config: Config, opts: argparse.Namespace, world_size: int) -> SearchSpace:
-    from components.distributed import ParallelDims
-
     dims = ParallelDims.from_config(config.parallelism, world_size)
     if opts.batch_sizes:
         try:
@@ -398,10 +389,9 @@ def build_space(config: Config, opts: argparse.Namespace, world_size: int) -> Se
         mb = config.parallelism.pipeline_parallel_microbatch_size
         batches = [b for b in batches if b % mb == 0]
     float8 = _parse_bools(opts.float8) if opts.float8 else ([False, True] if gpu_has_float8() else [False])
-    configured_global = config.training.global_batch_size
-    if configured_global == -1:
-        configured_global = config.training.local_batch_size * dims.dp
-    return SearchSpace(batches, _parse_modes(opts.ac_modes), _parse_bools(opts.compile), float8, configured_global, dims.dp)
+    configured_global = batch_plan(config.training, dims.dp).global_batch
+    return SearchSpace(batches, _parse_modes(opts.ac_modes), _parse_bools(opts.compile), float8, configured_global,
+                       dims.dp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,10 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(base_args)
         target = "cuda" if torch.cuda.is_available() else "cpu"
-        from components import memory_estimate
-
         # Measured now, before anything is built: this process is then what a trainer is before training.
-        baseline = memory_estimate.cpu_baseline_bytes(config) if target == "cpu" else None
+        baseline = cpu_baseline_bytes(config) if target == "cpu" else None
         world_size = world_size_of(config, opts.world_size)
         space = build_space(config, opts, world_size)
     except (ConfigError, ValueError) as e:
@@ -421,18 +409,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def estimate_fn(c: Candidate) -> float:
         try:
-            return memory_estimate.estimate(load_config(base_args + c.overrides()), world_size, target, baseline).total_gib
+            return estimate(load_config(base_args + c.overrides()), world_size, target, baseline).total_gib
         except (ConfigError, ValueError) as e:
             print(f"  {c.name}: no estimate ({e})")
             return float("inf")
 
-    print(f"autotune: {len(space.all())} candidates (batch {','.join(map(str, space.batch_sizes))} x AC {','.join(space.ac_modes)} x "
-          f"compile {','.join('on' if c else 'off' for c in space.compile)}"
-          + (f" x float8 {','.join('on' if f else 'off' for f in space.float8)}" if space.float8 != [False] else "")
-          + f"), budget {opts.memory_budget_gib} GiB per rank, {world_size} process(es), global batch {space.global_batch}")
+    float8 = f" x float8 {_on_off(space.float8)}" if space.float8 != [False] else ""
+    print(f"autotune: {len(space.all())} candidates (batch {','.join(map(str, space.batch_sizes))} "
+          f"x AC {','.join(space.ac_modes)} x compile {_on_off(space.compile)}{float8}), "
+          f"budget {opts.memory_budget_gib} GiB per rank, {world_size} process(es), global batch {space.global_batch}")
     if opts.dry_run:
-        results = [Result(c, "would run" if (e := estimate_fn(c)) <= opts.memory_budget_gib else "skipped: estimate over budget", e)
-                   for c in space.all()]
+        results = []
+        for c in space.all():
+            estimate_gib = estimate_fn(c)
+            fits = estimate_gib <= opts.memory_budget_gib
+            results.append(Result(c, "would run" if fits else "skipped: estimate over budget", estimate_gib))
         print(table(results, space.dp))
         return 0
 
@@ -453,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ranked = rank(results)
     if ranked and ranked[0].ok:
         best = ranked[0]
-        report += [f"winner: {best.candidate.describe(space.dp)}: {best.tokens_per_second:,.0f} tokens/s, peak {best.peak_gib:.2f} GiB",
+        report += [f"winner: {best.candidate.describe(space.dp)}: {best.tokens_per_second:,.0f} tokens/s, "
+                   f"peak {best.peak_gib:.2f} GiB",
                    "", "    " + winner_command(base_args, best.candidate, world_size)]
         code = 0
     else:
@@ -463,8 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if output:
         output.mkdir(parents=True, exist_ok=True)
-        header = (f"# Autotune\n\n`python -m components.autotune {shlex.join(sys.argv[1:] if argv is None else argv)}`\n\n"
-                  f"Budget {opts.memory_budget_gib} GiB per rank, {opts.steps} steps per run, tokens/s per device: median after warm-up.\n\n")
+        command = shlex.join(sys.argv[1:] if argv is None else argv)
+        header = (f"# Autotune\n\n`python -m scripts.autotune {command}`\n\n"
+                  f"Budget {opts.memory_budget_gib} GiB per rank, {opts.steps} steps per run, "
+                  "tokens/s per device: median after warm-up.\n\n")
         (output / "autotune.md").write_text(header + text + "\n")
         print(f"\nwritten to {output / 'autotune.md'}")
     return code

@@ -1,6 +1,6 @@
 """Samples/s and tokens/s of the packed-data loader (components/data/packed.py).
 
-    python benchmarks/packed_loader_throughput.py [--tokens 50000000] [--seconds 5]
+    python -m scripts.benchmarks.packed_loader_throughput [--tokens 50000000] [--seconds 5]
 
 Writes a packed folder of random uint16 token ids in a temporary directory (freshly written, so it
 is read from the page cache: this measures the loader, not the disk), then reads shuffled batches
@@ -12,19 +12,16 @@ Tokens/s counts the seq_len trained tokens of every sample.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from components.data.packed import build_packed_dataloader
+from components.data.packed_format import ShardWriter, tokenizer_fingerprint, write_manifest
 
-from components.data.packed import build_packed_dataloader  # noqa: E402
-from components.data.packed_format import ShardWriter, tokenizer_fingerprint, write_manifest  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "tests" / "assets" / "tokenizers" / "shakespeare_bpe_4k.model"
 CONFIGS = {"debug (seq 2048, batch 8)": (2048, 8), "8B (seq 8192, batch 1)": (8192, 1)}
 
@@ -42,14 +39,16 @@ def write_random_folder(folder: Path, tokens: int) -> None:
             documents += 1
         written += len(ids)
     shards = writer.close()
-    tokenizer = {"path": str(TOKENIZER), "fingerprint": tokenizer_fingerprint(TOKENIZER), "vocab_size": 4096, "bos_id": 1, "eos_id": 2}
+    tokenizer = {"path": str(TOKENIZER), "fingerprint": tokenizer_fingerprint(TOKENIZER), "vocab_size": 4096,
+                 "bos_id": 1, "eos_id": 2}
     split = {"documents": documents, "tokens": written, "shards": shards}
     write_manifest(folder, {"dtype": "uint16", "tokenizer": tokenizer, "splits": {"train": split}})
 
 
 def measure(folder: Path, seq_len: int, local_batch_size: int, num_workers: int, seconds: float) -> float:
     """Samples per second, after 5 warm-up batches."""
-    loader = build_packed_dataloader([str(folder)], "train", str(TOKENIZER), seq_len, local_batch_size, 0, 1, 0, num_workers)
+    loader = build_packed_dataloader([str(folder)], "train", str(TOKENIZER), seq_len, local_batch_size, 0, 1, 0,
+                                     num_workers)
     batches = iter(loader)
     for _ in range(5):
         next(batches)

@@ -125,7 +125,9 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": max(args.max_seq_len, LLAMA3_LONG_CONTEXT) if args.use_rope_scaling else args.max_seq_len,
+        "max_position_embeddings": (
+            max(args.max_seq_len, LLAMA3_LONG_CONTEXT) if args.use_rope_scaling else args.max_seq_len
+        ),
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -145,7 +147,8 @@ def _rope_fields(config: dict) -> tuple[float, dict]:
     theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (ingot has plain RoPE and Llama 3.1's 'llama3' scaling)")
+        raise ValueError(f"RoPE type {rope_type!r} is not supported "
+                         "(ingot has plain RoPE and Llama 3.1's 'llama3' scaling)")
     return theta, rope if rope_type == "llama3" else {}
 
 
@@ -156,7 +159,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     and context of the checkpoint). Otherwise the FFN size is kept through `ffn_dim` when Llama's
     sizing rule (multiple_of 256, no multiplier) does not give intermediate_size."""
     if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError("only Llama models with SiLU and no biases are supported (hidden_act, attention_bias, mlp_bias)")
+        raise ValueError("only Llama models with SiLU and no biases are supported "
+                         "(hidden_act, attention_bias, mlp_bias)")
     heads = config["num_attention_heads"]
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         raise ValueError(f"head_dim {config['head_dim']} is not hidden_size / num_attention_heads, which ingot assumes")
@@ -182,7 +186,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     if args.ffn_hidden_dim != config["intermediate_size"]:
         args.ffn_dim = config["intermediate_size"]
     flavor = infer_flavor(args)
-    return args if flavor is None else replace(_flavors()[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
+    if flavor is None:
+        return args
+    return replace(_flavors()[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
 
 
 def infer_flavor(args: ModelArgs) -> str | None:

@@ -1,0 +1,46 @@
+"""Settings that do not combine with the layout or the device, checked at start-up for every model.
+
+What is model-specific (e.g. whether the tensor-parallel degree divides the heads) stays in the model's
+parallelize.py; what holds for any model lives here, so that a forked model does not copy it."""
+
+from __future__ import annotations
+
+import torch
+
+from components.config import Config, ConfigError
+from components.distributed import ParallelDims
+
+
+def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
+    """Name the settings this version cannot apply rather than silently ignoring them."""
+    unsupported = {
+        # Dynamo would trace the statistics hooks into the compiled blocks.
+        "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
+        # The document ids would have to travel with the pipeline's micro-batches, and context
+        # parallelism's attention builds its own mask.
+        "training.document_masking with pipeline or context parallelism":
+            config.training.document_masking and dims.pp * dims.cp > 1,
+    }
+    named = [key for key, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"not available yet: {', '.join(named)}; leave these at their defaults")
+    if config.model.rope_per_document and not config.training.document_masking:
+        raise ConfigError(
+            "model.rope_per_document needs training.document_masking = true (it restarts positions at document "
+            "boundaries)"
+        )
+    if config.parallelism.enable_async_tensor_parallel and (
+        dims.tp == 1 or not config.compile.enable or device.type != "cuda"
+    ):
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
+            f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
+        )
+    if config.validation.enable and min(config.validation.freq, config.validation.steps) < 1:
+        raise ConfigError("validation.freq and validation.steps must be >= 1")
+
+
+def uses_fsdp(config: Config, dims: ParallelDims) -> bool:
+    """FSDP shards over data-parallel (and context-parallel) ranks; on one rank it still provides
+    bf16 mixed precision."""
+    return dims.dp * dims.cp > 1 or config.training.mixed_precision_param != "float32"

@@ -1,0 +1,74 @@
+"""Attention kernels shared by the model families: RoPE in the rotate-half layout, causal attention
+through scaled_dot_product_attention (grouped-query when k and v have fewer heads than q), and
+document masking (FlexAttention on CUDA, a dense boolean mask elsewhere). A family's Attention module
+projects q, k, v and calls these; a fork that changes them for every family edits this file."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + head_dim/2]) of each head by the angles in `rope` (the
+    "rotate-half" layout of Hugging Face's Llama, see the class docstring of models.llama3.model.Transformer).
+
+    x: (batch, seq, heads, head_dim). rope is either shared by the batch rows, (at least seq,
+    head_dim // 2, 2), of which the first seq rows are used, or one per row, (batch, seq,
+    head_dim // 2, 2) (per-document positions). For the shared form the attention's own input
+    decides the length because a pipeline stage's input may be a sequence shard (tensor + sequence
+    parallel) that attention gathers whole."""
+    if rope.dim() == 3:
+        rope = rope[: x.shape[1]][None]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return rotated.type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# Compiled once at import (compilation itself happens on first call): eager flex_attention
+# materializes the whole score matrix; compiled, it is a fused kernel that skips masked blocks.
+compiled_flex_attention = torch.compile(flex_attention)
+
+
+def use_flex_attention(device: torch.device) -> bool:
+    """Document masking runs FlexAttention on CUDA and a dense boolean mask through SDPA elsewhere.
+
+    torch 2.13's flex_attention runs forward on CPU, eager or compiled, but has no backward there
+    (and its compiled CPU kernel fails to lower inside a compiled block), so CPU training takes the
+    dense mask. Tests patch this function to run the flex path on CPU."""
+    return device.type == "cuda"
+
+
+def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> torch.Tensor | BlockMask:
+    """The mask letting each query see the keys at or before it in the same document.
+
+    document_ids: (batch, seq). Returns a FlexAttention BlockMask if `flex` (default:
+    `use_flex_attention` on the ids' device), else a boolean (batch, 1, seq, seq) mask (True:
+    attend) that broadcasts over the heads, however many a tensor-parallel rank holds."""
+    batch, seq = document_ids.shape
+    if flex is None:
+        flex = use_flex_attention(document_ids.device)
+    if flex:
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+        return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
+                                 device=document_ids.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim) under a `document_mask`; k/v may have fewer heads."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

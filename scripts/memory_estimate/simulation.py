@@ -1,0 +1,226 @@
+"""One micro-batch's forward and backward through the real model code on fake tensors, with a
+dispatch mode that follows the bytes of every tensor storage: the activations and working memory
+of one rank without parallelism, which breakdown.py scales to the layout."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from components.loss import cross_entropy_loss
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.context_parallel import zigzag_attention, zigzag_positions, zigzag_to_sequence_order
+
+
+class StorageTracker(TorchDispatchMode):
+    """Adds up the bytes of the tensor storages that operators create while it is active, and takes
+    them off when a storage is freed. Storages given to `ignore` (parameters, buffers) are never
+    counted. A storage that becomes a parameter's `.grad` moves from the `other` count to a
+    gradient count (`root` or `block`, see `watch_grads`). `samples` holds (other, root_grads,
+    block_grads) after every change, the timeline the peak is read from."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = self.root_grads = self.block_grads = 0
+        self._live: dict[int, tuple[weakref.ref, int, str]] = {}  # id(storage) -> (ref, bytes, category)
+        self._ignored: dict[int, weakref.ref] = {}
+        self.samples: list[tuple[int, int, int]] = []
+
+    def ignore(self, tensors) -> None:
+        for t in tensors:
+            st = t.untyped_storage()
+            self._ignored[id(st)] = weakref.ref(st)
+
+    def _known(self, st) -> bool:
+        key = id(st)
+        live, ignored = self._live.get(key), self._ignored.get(key)
+        return (live is not None and live[0]() is st) or (ignored is not None and ignored() is st)
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if self._known(st):
+            return
+        key, nbytes = id(st), st.nbytes()
+        self._live[key] = (weakref.ref(st, lambda _, key=key: self._free(key)), nbytes, "other")
+        self.other += nbytes
+        self._sample()
+
+    def _free(self, key: int) -> None:
+        _, nbytes, category = self._live.pop(key)
+        setattr(self, category, getattr(self, category) - nbytes)
+        self._sample()
+
+    def _sample(self) -> None:
+        self.samples.append((self.other, self.root_grads, self.block_grads))
+
+    def watch_grads(self, model: torch.nn.Module) -> None:
+        """Reclassify each parameter's gradient when autograd stores it: `block_grads` for the
+        transformer blocks' parameters, `root_grads` for the others (embeddings, norm, output)."""
+
+        def hook(param: torch.Tensor, category: str) -> None:
+            st = param.grad.untyped_storage()
+            entry = self._live.get(id(st))
+            if entry is not None and entry[0]() is st and entry[2] == "other":
+                self._live[id(st)] = (entry[0], entry[1], category)
+                self.other -= entry[1]
+                setattr(self, category, getattr(self, category) + entry[1])
+
+        for name, param in model.named_parameters():
+            category = "block_grads" if name.startswith("layers.") else "root_grads"
+            param.register_post_accumulate_grad_hook(lambda p, c=category: hook(p, c))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
+
+
+@dataclass
+class Simulation:
+    """Bytes measured for one micro-batch of one stage, one rank without parallelism."""
+
+    saved: int
+    """Tensors alive at the end of the forward (activations saved for backward, the loss)."""
+    samples: list[tuple[int, int, int]]
+    """(other, root gradients, block gradients) over the forward and backward."""
+    root_grad_bytes: int
+    block_grad_bytes: int
+    seconds: float
+
+
+def context_parallel_attention(cp: int, local_seq: int):
+    """The attention of parallelisms/context_parallel.py on context-parallel rank 0, with its
+    all-gather of the stacked keys and values replaced by a tensor of the gathered size (no process
+    group is needed, and on fake tensors only sizes matter)."""
+    positions = zigzag_positions(local_seq * cp, cp, 0)
+
+    def attention(q, k, v):
+        stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
+        gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
+        k, v = zigzag_to_sequence_order(gathered, cp)
+        return zigzag_attention(q, k, v, positions, cp, 0)
+
+    return attention
+
+
+def checkpoint_period(ac_mode: str, ac_option: str) -> int:
+    """Blocks after which the activation checkpointing pattern repeats (N for selective by layer)."""
+    return int(ac_option) if ac_mode == "selective" and ac_option.isdigit() and int(ac_option) > 0 else 1
+
+
+def blocks_to_simulate(n_blocks: int, ac_mode: str, ac_option: str) -> int:
+    """How many blocks the simulation runs: a first block (its input is the embeddings') and two
+    periods of the checkpointing pattern (two blocks without selective-by-layer checkpointing),
+    with the blocks left out a whole number of periods; never more than the stage holds."""
+    period = checkpoint_period(ac_mode, ac_option)
+    k = 1 + 2 * period
+    k += (n_blocks - k) % period
+    return min(n_blocks, k)
+
+
+def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: int, dtype: torch.dtype,
+                         ac_mode: str = "none", ac_option: str = "2", n_blocks: int | None = None,
+                         first: bool = True, last: bool = True, cp: int = 1, document_masking: bool = False,
+                         simulate_blocks: int | None = None) -> Simulation:
+    """Forward and backward of `batch` sequences of `seq` tokens through a stage of `n_blocks` blocks
+    (default: the model's; with the embeddings if `first`, the norm, output and loss if `last`) on
+    fake tensors.
+
+    Only `simulate_blocks` blocks run (default: `blocks_to_simulate`); the others repeat the
+    simulated ones, so their effect is added exactly: think of them as inserted after the first
+    block and one period of the checkpointing pattern. From the end of that period's forward until
+    its backward starts, each of them holds what one block of the period leaves alive; from then on
+    they are done, their activations freed and their gradients stored. Over the inserted blocks,
+    what is alive changes by the same amount every period, plus the same ups and downs within each
+    period, so its highest point is in the first or the last of them, which look exactly like the
+    simulated periods on either side of the insertion point: the simulated timeline holds it."""
+    start = time.perf_counter()
+    n_blocks = args.n_layers if n_blocks is None else n_blocks
+    k = blocks_to_simulate(n_blocks, ac_mode, ac_option) if simulate_blocks is None else min(simulate_blocks, n_blocks)
+    stage_args = type(args)(**vars(args))
+    stage_args.n_layers = k
+    with FakeTensorMode():
+        model = model_package.Transformer(stage_args)
+        if not first:
+            model.tok_embeddings = None
+        if not last:
+            model.norm = model.output = None
+        if dtype != torch.float32:  # FSDP's mixed precision: parameters in the compute dtype, buffers as they are
+            converted = {}
+            for module in model.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None:
+                        converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
+                        module._parameters[name] = converted[id(p)]
+        if cp > 1:
+            attention = context_parallel_attention(cp, seq)
+            for module in model.modules():
+                if hasattr(module, "sdpa"):
+                    module.sdpa = attention
+        apply_activation_checkpointing(model.layers, ac_mode, ac_option)
+        model.train()
+        tracker = StorageTracker()
+        tracker.ignore([*model.parameters(), *model.buffers()])
+        tracker.watch_grads(model)
+
+        # Where the blocks left out would run (after the first block and one period), and how much
+        # each block leaves alive when its forward is done.
+        period = checkpoint_period(ac_mode, ac_option)
+        marks, growth = {}, []
+
+        def before(module, inputs):
+            growth.append(-tracker.other)
+
+        def after(module, inputs, output):
+            growth[-1] += tracker.other
+
+        def insertion_point(module, inputs, output):
+            marks["forward"] = len(tracker.samples)
+            output.register_hook(lambda grad: marks.setdefault("backward", len(tracker.samples)) and None)
+
+        blocks = list(model.layers.values())
+        for block in blocks:
+            block.register_forward_pre_hook(before)
+            block.register_forward_hook(after)
+        if k < n_blocks:
+            blocks[period].register_forward_hook(insertion_point)
+
+        with tracker:
+            if first:
+                inputs = torch.zeros(batch, seq, dtype=torch.long)
+            else:  # hidden states received from the previous stage, kept for its backward
+                inputs = torch.zeros(batch, seq, stage_args.dim, dtype=dtype, requires_grad=True)
+            documents = torch.zeros(batch, seq, dtype=torch.long) if document_masking and first else None
+            if last:
+                labels = torch.zeros(batch, seq, dtype=torch.long)
+                out = cross_entropy_loss(model(inputs, documents), labels)
+            else:
+                out = model(inputs, documents)
+            saved = tracker.other  # with a stage's output, which the pipeline keeps for its backward
+            if last:
+                out.backward()
+            else:
+                grad = torch.ones_like(out)  # the gradient received from the next stage
+                out.backward(grad)
+                del grad
+            del out, inputs
+        root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers.")) * dtype.itemsize
+        block = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * dtype.itemsize
+    samples = tracker.samples
+    extra = n_blocks - k
+    if extra:
+        per_block = sum(growth[1 : 1 + period]) // period
+        fwd, bwd = marks["forward"], marks["backward"]
+        samples = (samples[:fwd] + [(o + extra * per_block, r, b) for o, r, b in samples[fwd:bwd]]
+                   + [(o, r, b + extra * block) for o, r, b in samples[bwd:]])
+        saved += extra * per_block
+    return Simulation(saved, samples, root, block * n_blocks, time.perf_counter() - start)
