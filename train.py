@@ -40,6 +40,7 @@ from components.preemption import EXIT_PREEMPTED, PREEMPTED_FILE, StopSignals, w
 from components.profiling import Profiler
 from components.step_guard import StepGuard, TrainingStopped
 from components.tokenizer import build_tokenizer
+from models.moe import RoutingTally
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.pipeline import Pipeline, build_pipeline
@@ -116,6 +117,12 @@ def train(config: Config, signals: StopSignals) -> int:
         pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
         loss_group=dims.loss_mesh.get_group() if dims.dp * dims.cp > 1 else None,
     )
+    pipeline_micro_batches = (training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size
+                              if dims.pp > 1 else 1)
+    routing = RoutingTally(model_parts, model_args.n_layers, plan.grad_accum_steps * pipeline_micro_batches)
+    if dims.ep > 1 and not routing.layers:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
+                          f"{config.model.name} {config.model.flavor} has none")
     params_on_rank = sum(local(p).numel() for part in model_parts for p in part.parameters())
     logger.info(
         f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M "
@@ -194,7 +201,9 @@ def train(config: Config, signals: StopSignals) -> int:
                 lr = lr_schedule.lr
                 loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
                                                      optimizers, record_layers)
-                optimizers.step(skip=step_guard.decide(step, loss, grad_norm))
+                skip = step_guard.decide(step, loss, grad_norm)
+                optimizers.step(skip=skip)
+                moe_figures, expert_load = routing.end_step(skip, metrics=log_this_step)
                 lr_schedule.step()
                 if precompute_float8:
                     for part in model_parts:
@@ -207,7 +216,8 @@ def train(config: Config, signals: StopSignals) -> int:
                 if log_this_step or checkpointer.due(step) or stop_now or step == training.steps:
                     skipped = step_guard.check()
                     if log_this_step:
-                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped)
+                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped | moe_figures)
+                        metrics.log_expert_load(step, expert_load)
                 if layers:
                     metrics.log_layers(step, layers)
                 if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):

@@ -74,6 +74,28 @@ class Model:
 
 
 @dataclass
+class MoE:
+    """Mixture-of-experts models (models/moe.py); a dense model ignores this section."""
+
+    num_experts: int | None = None
+    """This and the next two override the flavor's value when set."""
+    top_k: int | None = None
+    """Experts per token."""
+    hidden_dim: int | None = None
+    """One expert's feed-forward hidden size."""
+    bias_update_speed: float = 0.001
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after every optimizer step each expert's routing
+    bias moves by this much towards balance; 0 turns it off."""
+    aux_loss_coef: float = 0.0
+    """Weight of the auxiliary load-balancing loss added to the training loss (logged as moe_aux_loss
+    whatever its weight)."""
+    aux_loss_type: str = "sequence"
+    """sequence: balance measured within each sequence; global: over each micro-batch."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (the mean squared logsumexp of the router's logits)."""
+
+
+@dataclass
 class Optimizer:
     name: str = "AdamW"
     lr: float = 8e-4
@@ -150,6 +172,9 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     pipeline_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    """Mixture-of-experts models: each of this many ranks holds num_experts / N experts, tokens travel
+    to them by all-to-all. Uses data-parallel ranks: must divide the data-parallel shard degree."""
     fsdp_reshard_after_forward: str = "default"
     """One of default, always, never."""
     enable_async_tensor_parallel: bool = False
@@ -271,6 +296,7 @@ class Comm:
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    moe: MoE = field(default_factory=MoE)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
@@ -305,6 +331,7 @@ CHOICES = {
     "checkpoint.export_dtype": tuple(DTYPES),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "float8.recipe_name": ("tensorwise", "rowwise"),
+    "moe.aux_loss_type": ("sequence", "global"),
 }
 
 

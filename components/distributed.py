@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from components.config import Comm, ConfigError, Parallelism
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The world mesh. With expert parallelism, dp_shard is two dims, dp_shard_mod_ep x ep (ep inner, so that
+an expert-parallel group is as close together as the layout allows), flattened back into dp_shard."""
 
 
 def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
@@ -62,11 +64,12 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
 
     @classmethod
     def from_config(cls, p: Parallelism, world_size: int) -> ParallelDims:
         dims = cls(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
-                   p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size)
+                   p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size, p.expert_parallel_degree)
         dims.validate()
         return dims
 
@@ -96,6 +99,11 @@ class ParallelDims:
                 f"pp({self.pp}) = {others * self.dp_shard}, but {self.world_size} processes were started; "
                 "the parallelism.*_degree keys must multiply to the world size"
             )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree {self.ep} must be >= 1 and divide the data-parallel shard degree "
+                f"({self.dp_shard}): expert parallelism uses data-parallel ranks"
+            )
 
     @property
     def dp(self) -> int:
@@ -103,7 +111,8 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        return " ".join(f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+        names = ("dp_replicate", "dp_shard", "cp", "tp", "pp") + (("ep",) if self.ep > 1 else ())
+        return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with every dimension, size-1 ones too, so code can always index by name.
@@ -112,14 +121,50 @@ class ParallelDims:
         - `dp_mesh`: the ranks that load different data (replicas x shards);
         - `fsdp_mesh`: what FSDP shards parameters over: shards x context-parallel ranks (these see
           the same parameters), with replicas as a second dimension for HSDP;
-        - `loss_mesh`: the ranks whose losses are averaged for logging (dp x cp)."""
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        - `loss_mesh`: the ranks whose losses are averaged for logging (dp x cp);
+        - `ep_mesh`, and the FSDP meshes of mixture-of-experts layers (parallelisms/expert_parallel.py):
+          `moe_fsdp_mesh` for their router and shared experts, `expert_fsdp_mesh` for their experts."""
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}
+        shard_dims = ("dp_shard",)
+        if self.ep > 1:
+            sizes |= {"dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
+            shard_dims = ("dp_shard_mod_ep", "ep")
+        names = tuple(name for dim in MESH_DIMS for name in (shard_dims if dim == "dp_shard" else (dim,)))
+        mesh = init_device_mesh(device_type, tuple(sizes[d] for d in names), mesh_dim_names=names)
         # DeviceMesh._flatten is private, but it is how torch makes one group out of several dims.
-        self.dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        self.loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        shard = "dp_shard"
+        dp_shard = mesh[shard_dims]._flatten("dp_shard") if self.ep > 1 else mesh["dp_shard"]
+        self.dp_mesh = mesh[("dp_replicate", *shard_dims)]._flatten("dp")
+        self.loss_mesh = mesh[("dp_replicate", *shard_dims, "cp")]._flatten("dp_cp")
         if self.cp > 1:
-            shard = "dp_shard_cp"
-            mesh["dp_shard", "cp"]._flatten(shard)
-        self.fsdp_mesh = mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+            dp_shard = mesh[(*shard_dims, "cp")]._flatten("dp_shard_cp")
+        # Mixture-of-experts layers route each rank's own tokens, tensor-parallel ranks included
+        # (their sequence shards), and are sharded by FSDP over every rank holding the same copy.
+        moe_shard = mesh[(*shard_dims, "cp", "tp")]._flatten("moe_shard")
+
+        def with_replicas(shard: DeviceMesh) -> DeviceMesh:
+            """HSDP: replicas as a first dimension."""
+            return mesh["dp_replicate", shard.mesh_dim_names[0]] if self.dp_replicate > 1 else shard
+
+        self.fsdp_mesh, self.moe_fsdp_mesh = with_replicas(dp_shard), with_replicas(moe_shard)
+        if self.ep == 1:
+            self.expert_fsdp_mesh, self.ep_mesh = self.moe_fsdp_mesh, None
+            return mesh
+        # The experts' weights are DTensors over (their FSDP ranks, ep). DTensor reduces over such a
+        # 2-D mesh only if its dims are in the order of their root mesh, which the world mesh cannot
+        # give (cp and tp come after ep): the experts get a mesh of their own over the same ranks.
+        ranks = torch.arange(self.world_size).view(*(sizes[d] for d in names))
+        ranks = ranks.permute(0, 1, 2, 4, 5, 3).reshape(self.pp, self.dp_replicate, -1, self.ep)
+        expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "expert_shard", "ep"))
+        replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()
+        self.expert_fsdp_mesh, self.ep_mesh = expert_mesh[(*replicate, "expert_shard")], expert_mesh["ep"]
+        return mesh
+        # The experts' weights are DTensors over (their FSDP ranks, ep). DTensor reduces over such a
+        # 2-D mesh only if its dims are in the order of their root mesh, which the world mesh cannot
+        # give (cp and tp come after ep): the experts get a mesh of their own over the same ranks.
+        ranks = torch.arange(self.world_size).view(*(sizes[d] for d in MESH_DIMS))
+        ranks = ranks.permute(0, 1, 2, 4, 5, 3).reshape(self.pp, self.dp_replicate, -1, self.ep)
+        expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "expert_shard", "ep"))
+        replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()
+        self.expert_fsdp_mesh, self.ep_mesh = expert_mesh[(*replicate, "expert_shard")], expert_mesh["ep"]
         return mesh

@@ -1,10 +1,11 @@
 """Loading Hugging Face weights into ingot models: what a training run and a notebook import.
 
 `load_hf_weights` fills a run's (sharded, possibly pipeline-split) model from an HF folder at start-up
-(`--checkpoint.initial_load_path HFDIR`); `load_hf_model(HFDIR)` builds a whole ingot model from one.
-The model-specific part (parameter names, config.json fields) comes from the model package: models/<name>/
-exports to_hf, from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. The converter between DCP
-checkpoints and HF folders is scripts/hf.py.
+(`--checkpoint.initial_load_path HFDIR`); `load_hf_model(HFDIR)` builds a whole ingot model from one,
+of the family that config.json's model_type names (`HF_MODEL_TYPES`). The model-specific part
+(parameter names, config.json fields) comes from the model package: models/<name>/ exports to_hf,
+from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. The converter between DCP checkpoints and HF
+folders is scripts/hf.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from components.checkpoint import ModelState
 from components.config import ConfigError
 from components.model_package import import_model_package
+
+HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+"""config.json's model_type -> the ingot model package that reads it."""
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -40,22 +44,45 @@ def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
+def model_name_of(folder: str | Path) -> str:
+    """The ingot model package that reads the HF folder, by its config.json's model_type."""
+    return model_package_for(read_hf_config(folder), folder)
+
+
+def model_package_for(hf: dict, folder: str | Path) -> str:
+    """The ingot model package for the config.json `hf` of `folder`; an unsupported model_type is a
+    one-line error naming the file."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"{Path(folder) / 'config.json'}: model_type {model_type!r} is not supported "
+                         f"(ingot reads {', '.join(HF_MODEL_TYPES)})")
+    return HF_MODEL_TYPES[model_type]
+
+
 def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> None:
     """Fail, naming the field and the ingot config key to change, unless the HF config describes the
-    same model as `args`."""
-    ours, theirs = package.hf_config(args), package.hf_config(package.model_args_from_hf(hf))
+    same model as `args` (first of all, one of the same model_type)."""
+    ours = package.hf_config(args)
+    if hf.get("model_type") != ours["model_type"]:
+        name = model_package_for(hf, source)
+        raise ConfigError(
+            f"the Hugging Face model in {source} has model_type = {json.dumps(hf['model_type'])} but the ingot "
+            f"config gives {json.dumps(ours['model_type'])}: set model.name ({name}) and model.flavor to match"
+        )
+    theirs = package.hf_config(package.model_args_from_hf(hf))
     for field, config_key in package.HF_CONFIG_KEYS.items():
-        if ours[field] != theirs[field]:
+        if ours.get(field) != theirs.get(field):
             raise ConfigError(
-                f"the Hugging Face model in {source} has {field} = {json.dumps(theirs[field])} but the ingot config "
-                f"gives {json.dumps(ours[field])}: set {config_key} (or the flavor) to match"
+                f"the Hugging Face model in {source} has {field} = {json.dumps(theirs.get(field))} but the ingot "
+                f"config gives {json.dumps(ours.get(field))}: set {config_key} (or the flavor) to match"
             )
 
 
-def load_hf_model(path: str | Path, model_name: str = "llama3") -> nn.Module:
+def load_hf_model(path: str | Path, model_name: str | None = None) -> nn.Module:
     """The ingot model of an HF folder (config.json and safetensors), in fp32 on CPU and in eval
-    mode: called on token ids (batch, seq) it returns logits (batch, seq, vocab)."""
-    package = import_model_package(model_name)
+    mode: called on token ids (batch, seq) it returns logits (batch, seq, vocab). `model_name`, the
+    ingot model package, defaults to the one of config.json's model_type."""
+    package = import_model_package(model_name or model_name_of(path))
     args = package.model_args_from_hf(read_hf_config(path))
     with torch.device("meta"):
         model = package.Transformer(args)
@@ -70,9 +97,8 @@ def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleTyp
     """Load the weights of an HF folder into this rank's (sharded, possibly pipeline-split) model
     parts. The parts' state dict is renamed to HF names and DCP reads it through torch's
     HuggingFaceStorageReader, which reads from the safetensors files only the slices of this rank's
-    shards: nothing is materialized whole."""
+    shards: nothing is materialized whole. DCP loads in place and to_hf's tensors are the parameters
+    or views of them (e.g. one expert of a stacked experts' tensor), so this fills the parameters."""
     check_hf_config(package, args, read_hf_config(path), path)
-    state = ModelState(model_parts)
-    hf_state = package.to_hf(state.state_dict(), args)  # only the keys this rank's parts hold
+    hf_state = package.to_hf(ModelState(model_parts).state_dict(), args)  # only the keys this rank's parts hold
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
-    state.load_state_dict(package.from_hf(hf_state, args))

@@ -163,6 +163,7 @@ class MetricsLogger:
                 f"step {step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
                 f"tokens/s {tps:9,.0f}  mfu {record['mfu']:5.2f}%  memory {record['memory_gib']:6.2f}GiB"
                 + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
+                + (f"  moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
             if self.tb is not None:
@@ -193,6 +194,12 @@ class MetricsLogger:
             for layer, fields in layers.items():
                 for field, value in fields.items():
                     self.tb.add_scalar(f"layers/{field}/{layer}", value, step)
+
+    def log_expert_load(self, step: int, load: dict[int, torch.Tensor]) -> None:
+        """Each MoE layer's tokens per expert over their mean, as TensorBoard histograms moe/expert_load/<layer>."""
+        if self.is_writer and self.tb is not None:
+            for layer, values in load.items():
+                self.tb.add_histogram(f"moe/expert_load/{layer}", values, step)
 
     def close(self) -> None:
         if self.jsonl is not None:

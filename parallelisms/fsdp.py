@@ -12,6 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
+def resharding(mode: str, pipeline_parallel: bool) -> bool:
+    """Whether units free their gathered parameters after forward, for fsdp_reshard_after_forward `mode`."""
+    return {"always": True, "never": False, "default": not pipeline_parallel}[mode]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -26,7 +31,7 @@ def apply_fsdp(
     reshard_after_forward: "always" frees gathered parameters after forward (least memory, a second
     all-gather in backward); "never" keeps them until backward; "default" is "always" except under
     pipeline parallelism, whose many micro-batches would repeat the all-gathers."""
-    reshard = {"always": True, "never": False, "default": not pipeline_parallel}[reshard_after_forward]
+    reshard = resharding(reshard_after_forward, pipeline_parallel)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)

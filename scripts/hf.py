@@ -106,7 +106,7 @@ def copy_tokenizer(tokenizer_path: str | Path, output: Path) -> None:
 
 
 def export(config: Config, checkpoint: Path, output: Path, dtype: str = "float32", max_shard_gb: float = 5.0) -> None:
-    """Write the model weights of a DCP checkpoint as an HF LlamaForCausalLM folder."""
+    """Write the model weights of a DCP checkpoint as an HF folder (e.g. LlamaForCausalLM's)."""
     package, args, tokenizer = model_and_args(config)
     output.mkdir(parents=True, exist_ok=True)
     files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
@@ -124,25 +124,46 @@ def write_weights(
 ) -> tuple[int, int]:
     """The weights of a DCP checkpoint as safetensors files of at most max_bytes each, with an
     index if there are several, read from the checkpoint a file's worth at a time; returns the
-    number of files and of bytes."""
+    number of files and of bytes. A file holds the HF tensors of whole ingot tensors (an MoE layer's
+    experts tensor becomes one HF tensor per expert, all in the same file)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in package.Transformer(args).state_dict().items()}
-    stored = checkpoint_shapes(checkpoint, expected)
-    hf_to_ingot = package.to_hf({name: name for name in expected}, args)  # in the model's order
-    nbytes = {h: stored[name][0].numel() * dtype.itemsize for h, name in hf_to_ingot.items()}
-    files = plan_files(list(hf_to_ingot), nbytes, max_bytes)
+        expected = package.Transformer(args).state_dict()
+    stored = checkpoint_shapes(checkpoint, {name: tensor.shape for name, tensor in expected.items()})
+    warn_of_routing_biases(checkpoint, stored)
+    # The ingot tensors that have HF names (not a tied output, nor ingot-only state), in the model's order.
+    exported = [name for name, tensor in expected.items() if package.to_hf({name: tensor}, args)]
+    nbytes = {name: stored[name][0].numel() * dtype.itemsize for name in exported}
+    files = plan_files(exported, nbytes, max_bytes)
     weight_map = {}
-    for i, hf_names in enumerate(files, start=1):
+    for i, names in enumerate(files, start=1):
         file_name = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
-        tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in map(hf_to_ingot.get, hf_names)}
+        tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
         with one_process():
             dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), no_dist=True)
-        save_safetensors({h: tensors[hf_to_ingot[h]].to(dtype) for h in hf_names}, output / file_name)
-        weight_map |= dict.fromkeys(hf_names, file_name)
+        hf_tensors = package.to_hf(tensors, args)
+        save_safetensors({name: tensor.to(dtype) for name, tensor in hf_tensors.items()}, output / file_name)
+        weight_map |= dict.fromkeys(hf_tensors, file_name)
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         write_json(output / "model.safetensors.index.json", index)
     return len(files), sum(nbytes.values())
+
+
+def warn_of_routing_biases(checkpoint: Path, stored: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """Mixture-of-experts layers trained with auxiliary-loss-free balancing (moe.bias_update_speed > 0)
+    choose experts with a routing bias that Hugging Face's MoE models do not have: exported without
+    it, the model routes some tokens elsewhere. Say so when the biases are not zero."""
+    names = [name for name in stored if name.endswith(".expert_bias")]
+    if not names:
+        return
+    biases = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
+    with one_process():
+        dcp.load({"model": biases}, checkpoint_id=str(checkpoint), no_dist=True)
+    largest = max(bias.abs().max().item() for bias in biases.values())
+    if largest > 0:
+        logger.warning(f"{checkpoint}: the experts' routing biases (moe.bias_update_speed, up to {largest:.3g}) have "
+                       "no Hugging Face counterpart and are left out, so the exported model routes some tokens "
+                       "differently; train with moe.bias_update_speed = 0 for an exact export")
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -65,31 +65,37 @@ def test_sharded_state_is_params_over_shard_degree():
     assert est.parts["fsdp_buffers"] > 0 and est.parts["baseline"] == 0 and est.parts["allocator"] == 0
 
 
-@pytest.mark.parametrize("layout", [
-    {"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2},
-    {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "tensor_parallel_degree": 2},
-    {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2, "tensor_parallel_degree": 2},
+@pytest.mark.parametrize("config_file,layout", [
+    ("debug_model.toml", {"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2}),
+    ("debug_model.toml", {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "tensor_parallel_degree": 2}),
+    ("debug_model.toml", {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
+                          "tensor_parallel_degree": 2}),
+    ("debug_moe.toml", {"data_parallel_shard_degree": 4, "expert_parallel_degree": 4, "tensor_parallel_degree": 2}),
+    ("debug_moe.toml", {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
+                        "expert_parallel_degree": 2, "tensor_parallel_degree": 2}),
+    ("debug_moe.toml", {"data_parallel_shard_degree": 8, "expert_parallel_degree": 2}),
 ])
-def test_parameters_per_rank_match_the_real_parallelized_model(layout):
+def test_parameters_per_rank_match_the_real_parallelized_model(config_file, layout):
     """The estimator's count equals what train.py's parallelize leaves on rank 0, built on the meta
-    device over a fake 8-rank process group."""
+    device over a fake 8-rank process group (mixture-of-experts layers and expert parallelism included)."""
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from components.distributed import ParallelDims
-    from models.llama3 import Transformer, build_model_args, parallelize
+    from components.model_package import import_model_package
 
     overrides = ["--training.mixed_precision_param", "bfloat16", "--model.vocab_size", "4100"]  # 4100: uneven shards
     for key, value in layout.items():
         overrides += [f"--parallelism.{key}", str(value)]
-    config = load_config(["--job.config_file", "debug_model.toml", *overrides])
+    config = load_config(["--job.config_file", config_file, *overrides])
+    package = import_model_package(config.model.name)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         dims = ParallelDims.from_config(config.parallelism, 8)
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = Transformer(build_model_args(config, 4096))
-        model = parallelize(model, dims, mesh, config, torch.device("cpu"))
+            model = package.Transformer(package.build_model_args(config, 4096))
+        model = package.parallelize(model, dims, mesh, config, torch.device("cpu"))
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     finally:
         dist.destroy_process_group()

@@ -90,3 +90,13 @@ def test_cli_overrides_model_shape():
     args = build_model_args(config, vocab_size=100)
     assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.vocab_size) == (3, 128, 8, 2, 100)
     assert args.max_seq_len == config.training.seq_len
+
+
+def test_tied_embeddings_stay_one_matrix_after_meta_build_and_init():
+    """to_empty() gives each module its own parameter; init_weights shares the matrix again."""
+    with torch.device("meta"):
+        model = Transformer(tiny_model_args(tie_embeddings=True))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.std() > 0.01

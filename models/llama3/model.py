@@ -212,6 +212,10 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
         pipeline stage that holds only some of the modules."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            # to_empty() from the meta device gives each module its own new plain parameter (DTensor
+            # parameters are swapped in place and stay shared): share the matrix again.
+            self.output.weight = self.tok_embeddings.weight
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()

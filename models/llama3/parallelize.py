@@ -84,6 +84,10 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
         # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
         float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+            # TP gave each module its own DTensor of the tied matrix, both sharded along the vocabulary
+            # (dim 0): share one again.
+            model.output.weight = model.tok_embeddings.weight
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])
     if dims.cp > 1:

@@ -117,18 +117,34 @@ class StageParams:
     rank: int = 0  # after TP and FSDP: what this rank stores
     root_tp: int = 0  # embeddings, norm, output of these stages, after TP
     block_tp: int = 0  # one transformer block, after TP
+    largest: int = 0  # the largest single parameter, after TP and FSDP
 
 
 def count_params(shapes: dict[str, tuple[int, ...]], block: dict[str, tuple[int, ...]],
-                 tp_dims: dict[str, int | None], tp: int, fsdp_degree: int) -> StageParams:
+                 tp_dims: dict[str, int | None], dims: ParallelDims, fsdp_degree: int,
+                 moe: dict[str, bool]) -> StageParams:
     """The counts for the parameters `shapes` (name -> shape) of a rank's stages; `block`: those of
-    one transformer block."""
-    def numel(subset: dict[str, tuple[int, ...]], fsdp: int) -> int:
-        return sum(local_numel(shape, tp_dims[name], tp, fsdp) for name, shape in subset.items())
+    one transformer block. `moe`: the names of mixture-of-experts parameters, True for the experts'
+    (sharded over the ep ranks on dim 0), False for the routers' and shared experts'; FSDP shards
+    these over every rank that routes other tokens through them (parallelisms/expert_parallel.py)."""
+    moe_degree = dims.dp_shard * dims.cp * dims.tp if fsdp_degree > 1 or dims.tp > 1 else 1
+
+    def numel(subset: dict[str, tuple[int, ...]], sharded: bool) -> int:
+        """Elements after tensor and expert parallelism, and after FSDP if `sharded`."""
+        total = 0
+        for name, shape in subset.items():
+            if name not in moe:
+                total += local_numel(shape, tp_dims[name], dims.tp, fsdp_degree if sharded else 1)
+            elif moe[name]:  # this rank's experts, then FSDP over the ranks holding the same ones
+                shape = (math.ceil(shape[0] / dims.ep), *shape[1:])
+                total += local_numel(shape, None, 1, moe_degree // dims.ep if sharded else 1)
+            else:
+                total += local_numel(shape, None, 1, moe_degree if sharded else 1)
+        return total
 
     root = {name: shape for name, shape in shapes.items() if not name.startswith("layers.")}
-    return StageParams(tp=numel(shapes, 1), rank=numel(shapes, fsdp_degree), root_tp=numel(root, 1),
-                       block_tp=numel(block, 1))
+    return StageParams(tp=numel(shapes, False), rank=numel(shapes, True), root_tp=numel(root, False),
+                       block_tp=numel(block, False), largest=max(numel({n: s}, True) for n, s in shapes.items()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,8 +300,7 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
 
     # The optimizer step: all parameters, gradients, states, and foreach AdamW's fp32 temporaries.
     impl = config.optimizer.implementation
-    largest_param = max(model_args.vocab_size * model_args.dim, model_args.dim * model_args.ffn_hidden_dim)
-    opt_temp = {"foreach": params.rank * 4, "fused": 0}.get(impl, largest_param // (tp * fsdp_degree) * 4)
+    opt_temp = {"foreach": params.rank * 4, "fused": 0}.get(impl, params.largest * 4)
     opt_parts = dict.fromkeys(PARTS, 0) | {k: parts[k] for k in ("baseline", "parameters", "optimizer")}
     opt_parts["gradients"], opt_parts["temporary"] = full_grads, opt_temp
     if layout.target == "cpu":

@@ -18,6 +18,7 @@ from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
 from components.metrics import peak_rss_bytes
 from components.model_package import import_model_package
+from models.moe import MoE
 from parallelisms.pipeline import is_multi_stage
 from scripts.memory_estimate.breakdown import (
     Layout,
@@ -69,6 +70,13 @@ def cpu_baseline_bytes(config: Config) -> int:
     if config.metrics.enable_tensorboard:
         importlib.import_module("torch.utils.tensorboard")
     return peak_rss_bytes()
+
+
+def moe_parameters(model: nn.Module) -> dict[str, bool]:
+    """The parameters of the model's mixture-of-experts layers: True for the experts', False for the
+    routers' and shared experts'."""
+    return {f"{name}.{param}": param.startswith("experts.") for name, layer in model.named_modules()
+            if isinstance(layer, MoE) for param, _ in layer.named_parameters()}
 
 
 class PipelinePlace:
@@ -130,6 +138,7 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     shapes = {n: tuple(t.shape) for n, t in meta_model.named_parameters()}
     block = {n: shape for n, shape in shapes.items() if n.startswith("layers.0.")}
     tp_dims = tp_shard_dims(meta_model, model_package.tensor_parallel_plan(meta_model, False))
+    moe = moe_parameters(meta_model)
     n_params = sum(math.prod(s) for s in shapes.values())
     stages = stages_of_ranks(model_package, meta_model, config, dims.pp)
     del meta_model
@@ -156,7 +165,7 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     candidates = []
     for pp_rank, parts in stages.items():
         rank_shapes = {n: tuple(t.shape) for part in parts for n, t in part.named_parameters()}
-        rank = RankStages(pp_rank, count_params(rank_shapes, block, tp_dims, dims.tp, fsdp_degree), [])
+        rank = RankStages(pp_rank, count_params(rank_shapes, block, tp_dims, dims, fsdp_degree, moe), [])
         for part in parts:
             kind = (len(part.layers), part.tok_embeddings is not None, part.output is not None)
             if kind not in simulations:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from components.loss import cross_entropy_loss
+from models.moe import GroupedExperts, MoE
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import zigzag_attention, zigzag_positions, zigzag_to_sequence_order
 
@@ -112,6 +113,14 @@ def context_parallel_attention(cp: int, local_seq: int):
     return attention
 
 
+def balanced_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mixture-of-experts routing on fake tensors, which have no values to route by: every expert gets
+    an equal share of the slots, the balance that load balancing aims at. Under expert parallelism a
+    rank computes as many slots as it sends, so the one-rank simulation also stands for it."""
+    slots, num_experts = x.shape[0], experts.w1.shape[0]
+    return experts(x, [slots // num_experts + (i < slots % num_experts) for i in range(num_experts)])
+
+
 def checkpoint_period(ac_mode: str, ac_option: str) -> int:
     """Blocks after which the activation checkpointing pattern repeats (N for selective by layer)."""
     return int(ac_option) if ac_mode == "selective" and ac_option.isdigit() and int(ac_option) > 0 else 1
@@ -166,6 +175,9 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.dispatcher = balanced_dispatch
         apply_activation_checkpointing(model.layers, ac_mode, ac_option)
         model.train()
         tracker = StorageTracker()

@@ -1,0 +1,292 @@
+"""Mixture of experts, shared by the model families: a token-choice top-k router, routed experts
+computed as one grouped matmul, optional shared experts, and load balancing.
+
+Dropless: every token goes to its top_k experts, however uneven the load. Load balancing has two
+mechanisms, usable together:
+- the auxiliary-loss-free bias (DeepSeek-V3): a per-expert bias added to the scores only to choose
+  the experts, moved after each optimizer step by `bias_update_speed` towards the less loaded ones
+  (`update_expert_bias`);
+- an auxiliary loss, aux_loss_coef x num_experts x sum_i f_i P_i, with f_i the fraction of the
+  routed slots that expert i takes and P_i its mean score, over each sequence ("sequence") or over the
+  micro-batch ("global"), plus an optional router z-loss (the mean squared logsumexp of the logits).
+  Its gradient is attached to the layer's output (`AttachLoss`), so it reaches the router from any
+  pipeline stage without passing through the loss function.
+
+Expert parallelism (parallelisms/expert_parallel.py) sets `MoE.dispatcher`, which sends each token to
+the rank holding its expert and brings the result back; without it all experts are local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256
+    """The hidden size of one expert (moe_intermediate_size in Hugging Face configs)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek-V3), as one feed-forward of this many x hidden_dim."""
+    score_func: str = "softmax"
+    """softmax or sigmoid (DeepSeek-V3) of the router's logits."""
+    norm_topk_prob: bool = True
+    """Rescale the chosen experts' scores to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    route_scale: float = 1.0
+    """Multiplies the chosen experts' weights (DeepSeek-V3's routed_scaling_factor)."""
+    bias_update_speed: float = 0.0
+    """Auxiliary-loss-free balancing: the step by which each expert's routing bias moves after an
+    optimizer step; 0 turns it off."""
+    aux_loss_coef: float = 0.0
+    aux_loss_type: str = "sequence"
+    """sequence or global: the span over which the auxiliary loss measures balance."""
+    z_loss_coef: float = 0.0
+
+
+def check_moe_args(args: MoEArgs, key_prefix: str = "moe.") -> None:
+    """One-line errors naming the key, for settings the layer cannot run."""
+    if args.num_experts < 1:
+        raise ValueError(f"{key_prefix}num_experts must be >= 1, got {args.num_experts}")
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ValueError(f"{key_prefix}top_k {args.top_k} must be between 1 and {key_prefix}num_experts "
+                         f"({args.num_experts})")
+    if args.score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"{key_prefix}score_func must be softmax or sigmoid, got {args.score_func!r}")
+    if args.aux_loss_type not in ("sequence", "global"):
+        raise ValueError(f"{key_prefix}aux_loss_type must be sequence or global, got {args.aux_loss_type!r}")
+
+
+class AttachLoss(torch.autograd.Function):
+    """Returns x unchanged; in backward, also sends a gradient of 1 to `loss` (so that backward from
+    the model's output includes loss's gradient, as if it had been added to the training loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and picks the top_k, in fp32."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
+        """x: (tokens, dim). Returns the logits and scores (tokens, num_experts), and the chosen
+        experts and their weights (tokens, top_k)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        choice = scores if expert_bias is None else scores + expert_bias
+        experts = choice.topk(self.args.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.args.norm_topk_prob and self.args.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, scores, experts, weights * self.args.route_scale
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """torch._grouped_mm needs CUDA compute capability 9.0 or newer and bf16; elsewhere a loop."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+class GroupedExperts(nn.Module):
+    """num_experts SwiGLU feed-forwards, their weights stacked: w1, w3 (experts, hidden, dim), w2
+    (experts, dim, hidden). Under expert parallelism each is a DTensor sharded on dim 0 and this rank
+    computes its own experts."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (tokens, dim), sorted by expert, counts[i] of them for this rank's expert i."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        if use_grouped_mm(x):
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        outputs = []
+        for i, chunk in enumerate(x.split(counts)):
+            outputs.append((F.silu(chunk @ w1[i].T) * (chunk @ w3[i].T)) @ w2[i].T)
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+class SharedExperts(nn.Module):
+    """The feed-forward every token goes through besides its routed experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LocalDispatch:
+    """All experts on this rank: tokens sorted by expert go straight to them."""
+
+    @torch.compiler.disable  # the split sizes are data: compiled, each new split would recompile
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return experts(x, counts.tolist())
+
+
+class MoE(nn.Module):
+    """The feed-forward of a block as a mixture of experts. Input and output (batch, seq, dim)."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        check_moe_args(args)
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts)
+                               if args.num_shared_experts else None)
+        self.dispatcher = LocalDispatch()
+        # The routing bias is state to checkpoint; the counts and the auxiliary loss are
+        # bookkeeping between optimizer steps (summed over micro-batches, read by the trainer).
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("forwards", torch.zeros(()), persistent=False)
+        self.aux_loss_scale = 1.0
+        """Multiplies the auxiliary loss's gradient: 1 / gradient accumulation steps, like the training loss."""
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+        self.experts.init_weights(out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_std)
+        self.expert_bias.zero_()
+        self.reset_tally()
+
+    def reset_tally(self) -> None:
+        for buffer in (self.tokens_per_expert, self.aux_loss_sum, self.forwards):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if self.args.bias_update_speed > 0 else None
+        logits, scores, experts, weights = self.router(tokens, bias)
+        flat = experts.flatten()
+        counts = flat.new_zeros(self.args.num_experts).index_add_(0, flat, torch.ones_like(flat))
+        # Each (token, choice) slot, sorted by expert: the experts see their tokens contiguously.
+        order = flat.argsort(stable=True)
+        routed = self.dispatcher(self.experts, tokens[order // self.args.top_k], counts)
+        slots = torch.empty_like(routed).index_copy_(0, order, routed)
+        slots = slots.view(-1, self.args.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)
+        out = slots.sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(batch, seq, dim)
+        if self.training:
+            aux, z = self.balancing_losses(logits, scores, experts, batch)
+            record_routing(self, counts, aux)
+            loss = self.args.aux_loss_coef * aux + self.args.z_loss_coef * z
+            if torch.is_grad_enabled() and (self.args.aux_loss_coef or self.args.z_loss_coef):
+                out = AttachLoss.apply(out, loss * self.aux_loss_scale)
+        return out
+
+    def balancing_losses(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                         batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's auxiliary balancing loss (without its coefficient) and router z-loss."""
+        args = self.args
+        groups = batch if args.aux_loss_type == "sequence" else 1
+        probs = scores / scores.sum(-1, keepdim=True) if args.score_func == "sigmoid" else scores
+        probs = probs.view(groups, -1, args.num_experts)
+        chosen = experts.reshape(groups, -1)
+        ones = torch.ones_like(chosen, dtype=scores.dtype)
+        # (groups, experts): each expert's share of the group's routed slots, summing to 1.
+        fraction = scores.new_zeros(groups, args.num_experts).scatter_add_(1, chosen, ones) / chosen.shape[1]
+        aux = args.num_experts * (fraction * probs.mean(1)).sum(-1).mean()
+        return aux, logits.logsumexp(-1).square().mean()
+
+
+@torch.compiler.disable
+def record_routing(moe: MoE, counts: torch.Tensor, aux_loss: torch.Tensor) -> None:
+    """Add a micro-batch's expert counts and auxiliary loss to the layer's tally, once: activation
+    checkpointing's recomputation runs inside backward and is not counted again."""
+    if torch._C._current_graph_task_id() == -1:
+        moe.tokens_per_expert.add_(counts.float())
+        moe.aux_loss_sum.add_(aux_loss.detach())
+        moe.forwards.add_(1)
+
+
+class RoutingTally:
+    """What the MoE layers routed during a step, over all ranks: moves the routing biases
+    (auxiliary-loss-free balancing) and gives the step's MoE metrics.
+
+    Every rank holds a tally per layer of the tokens it routed; one all-reduce over all ranks adds
+    them up (ranks of other pipeline stages contribute zeros for layers they do not hold), so every
+    rank then moves its biases by the same counts, whatever the layout."""
+
+    def __init__(self, model_parts: list[nn.Module], n_layers: int, micro_batches_per_step: int):
+        self.layers = {int(name.split(".")[1]): m for part in model_parts for name, m in part.named_modules()
+                       if isinstance(m, MoE)}
+        self.n_layers = n_layers
+        self.num_experts = max((m.args.num_experts for m in self.layers.values()), default=0)
+        self.update_bias = any(m.args.bias_update_speed > 0 for m in self.layers.values())
+        for moe in self.layers.values():  # averaged over the step's micro-batches, like the training loss
+            moe.aux_loss_scale = 1 / micro_batches_per_step
+
+    @torch.no_grad()
+    def end_step(self, skipped: torch.Tensor, metrics: bool) -> tuple[dict[str, float], dict[int, torch.Tensor]]:
+        """Call on every rank after the optimizer step (`skipped`: a boolean tensor, true where it was
+        not taken, which leaves the biases as they are). With `metrics`, returns {moe_aux_loss,
+        moe_max_load} and each layer's expert load (tokens per expert / their mean); else empty dicts."""
+        if not self.layers or not (self.update_bias or metrics):
+            for moe in self.layers.values():
+                moe.reset_tally()
+            return {}, {}
+        device = next(iter(self.layers.values())).tokens_per_expert.device
+        # Per layer: the experts' token counts, the auxiliary loss summed over forwards, the forwards.
+        tally = torch.zeros(self.n_layers, self.num_experts + 2, device=device)
+        for index, moe in self.layers.items():
+            tally[index, : moe.args.num_experts] = moe.tokens_per_expert
+            tally[index, -2], tally[index, -1] = moe.aux_loss_sum, moe.forwards
+            moe.reset_tally()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tally)
+        for index, moe in self.layers.items():
+            if moe.args.bias_update_speed > 0:
+                counts = tally[index, : moe.args.num_experts]
+                delta = moe.args.bias_update_speed * torch.sign(counts.mean() - counts)
+                moe.expert_bias.add_((delta - delta.mean()) * ~skipped)
+        if not metrics:
+            return {}, {}
+        rows = tally[sorted(self.layers)].cpu()
+        counts = rows[:, :-2]
+        load = counts / counts.mean(1, keepdim=True).clamp(min=1e-9)
+        aux = (rows[:, -2] / rows[:, -1].clamp(min=1)).mean()
+        figures = {"moe_aux_loss": aux.item(), "moe_max_load": load.max().item()}
+        return figures, {layer: load[i] for i, layer in enumerate(sorted(self.layers))}

@@ -1,0 +1,83 @@
+"""Qwen3, dense and mixture-of-experts: the model, its published sizes ("flavors"), how to parallelize
+it and its Hugging Face names. `__all__` below is this package's side of the model-package contract
+(docs/models.md): the only names train.py, components/ and scripts/ use."""
+
+from dataclasses import replace
+
+from components.config import Config
+from models.moe import MoEArgs, check_moe_args
+from models.qwen3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
+from models.qwen3.model import ModelArgs, Transformer
+from models.qwen3.parallelize import parallelize_qwen3 as parallelize, tensor_parallel_plan
+from models.qwen3.pipeline import split_qwen3 as split_for_pipeline, stages_per_rank
+
+# The published Qwen3 configs; every one has head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6 (the
+# ModelArgs defaults) and 151936 tokens, which the tokenizer's vocabulary replaces in training.
+_QWEN3_MOE = dict(num_experts=128, top_k=8, norm_topk_prob=True)
+
+flavors = {
+    "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=768),
+    "debugmodel_moe": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=768,
+                                moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, norm_topk_prob=True)),
+    "0.6B": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True),
+    "1.7B": ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_embeddings=True),
+    "4B": ModelArgs(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728, tie_embeddings=True),
+    "8B": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
+    "14B": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
+    "32B": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600),
+    "30B-A3B": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                         moe=MoEArgs(hidden_dim=768, **_QWEN3_MOE)),
+    "235B-A22B": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
+                           moe=MoEArgs(hidden_dim=1536, **_QWEN3_MOE)),
+}
+
+# [model] keys that, when set, replace the flavor's value.
+OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings",
+               "vocab_size")
+# [model] keys of Llama 3 that Qwen3 has no use for: an error rather than silently ignored.
+NOT_APPLICABLE = ("multiple_of", "ffn_dim_multiplier", "use_rope_scaling", "rope_scaling_factor")
+# [moe] keys that, when set, replace the flavor's value; the section's other keys always apply.
+MOE_OVERRIDABLE = ("num_experts", "top_k", "hidden_dim")
+
+
+def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
+    """The flavor's dimensions, with the [model] overrides and the tokenizer's vocabulary applied, and
+    for an MoE flavor the [moe] section's settings."""
+    if config.model.flavor not in flavors:
+        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    for key in NOT_APPLICABLE:
+        if getattr(config.model, key) is not None:
+            raise ValueError(f"model.{key} does not apply to Qwen3 (its feed-forward size is model.ffn_dim, "
+                             "its RoPE is not scaled): leave it unset")
+    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
+    for key in OVERRIDABLE:
+        value = getattr(config.model, key)
+        if value is not None:
+            setattr(args, key, value)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
+                         f"than the tokenizer's vocabulary ({vocab_size})")
+    if args.n_heads % (args.n_kv_heads or args.n_heads):
+        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
+    if args.moe is not None:
+        moe = config.moe
+        args.moe = replace(
+            args.moe,
+            **{key: getattr(moe, key) for key in MOE_OVERRIDABLE if getattr(moe, key) is not None},
+            bias_update_speed=moe.bias_update_speed, aux_loss_coef=moe.aux_loss_coef,
+            aux_loss_type=moe.aux_loss_type, z_loss_coef=moe.z_loss_coef,
+        )
+        check_moe_args(args.moe, key_prefix="moe.")
+    args.max_seq_len = config.training.seq_len
+    args.rope_per_document = config.model.rope_per_document
+    return args
+
+
+__all__ = [
+    # the model
+    "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # parallelism
+    "parallelize", "tensor_parallel_plan", "split_for_pipeline", "stages_per_rank",
+    # Hugging Face interop
+    "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+]

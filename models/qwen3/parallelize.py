@@ -1,0 +1,132 @@
+"""How Qwen3 is parallelized, in Llama 3's order (models/llama3/parallelize.py explains it):
+float8 conversion -> tensor parallel (then expert parallel) -> context parallel -> activation
+checkpointing -> compile -> FSDP (the MoE layers' own units first).
+
+What differs from Llama 3: the QK-norms are in the tensor-parallel plan, so that their gradients are
+summed over the tensor-parallel ranks, which hold different heads; tied embeddings are tied again after
+tensor parallelism; an MoE feed-forward is not split by tensor parallelism but takes its rank's sequence
+shard whole (parallelisms/expert_parallel.py); the routers stay out of float8.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from components.config import DTYPES, Config, ConfigError
+from components.distributed import ParallelDims
+from components.layout_checks import uses_fsdp
+from models.moe import MoE
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import compile_blocks
+from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
+from parallelisms.float8 import convert_to_float8
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
+
+ROUTER = "router.gate"
+"""Kept out of float8: the router's logits choose the experts, a small matmul where precision matters."""
+
+
+def check_tp_fits(model: nn.Module, tp: int) -> None:
+    args = model.args
+    for key, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads or args.n_heads)):
+        if value % tp:
+            raise ConfigError(f"parallelism.tensor_parallel_degree {tp} must divide {key} ({value})")
+
+
+def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
+    """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output), plus:
+
+    - q_norm / k_norm get the (batch, seq, local heads, head_dim) output of the column-wise wq / wk.
+      SequenceParallel over dim 2 (the heads) makes their weights Replicate DTensors, whose gradients
+      DTensor sums over the tp ranks; left out of the plan, each rank would update its own copy from
+      its own heads and the copies would drift apart.
+    - an MoE feed-forward routes this rank's sequence shard through whole experts."""
+    if float8_comm:
+        # The blocks' all-gathers then move float8 rather than bf16 activations.
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel as Colwise,
+            Float8RowwiseParallel as Rowwise,
+            PrepareFloat8ModuleInput as PrepareInput,
+        )
+    else:
+        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    for name, block in model.layers.items():
+        prefix = f"layers.{name}"
+        plan |= {
+            f"{prefix}.attention_norm": SequenceParallel(),
+            f"{prefix}.attention": PrepareInput(input_layouts=(Shard(1), None),
+                                                desired_input_layouts=(Replicate(), None)),
+            f"{prefix}.attention.wq": Colwise(),
+            f"{prefix}.attention.wk": Colwise(),
+            f"{prefix}.attention.wv": Colwise(),
+            f"{prefix}.attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            f"{prefix}.attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            f"{prefix}.attention.wo": Rowwise(output_layouts=Shard(1)),
+            f"{prefix}.ffn_norm": SequenceParallel(),
+        }
+        if isinstance(block.feed_forward, MoE):
+            plan[f"{prefix}.feed_forward"] = moe_tensor_parallel_plan()
+        else:
+            plan |= {
+                f"{prefix}.feed_forward": PrepareInput(input_layouts=(Shard(1),),
+                                                       desired_input_layouts=(Replicate(),)),
+                f"{prefix}.feed_forward.w1": Colwise(),
+                f"{prefix}.feed_forward.w2": Rowwise(output_layouts=Shard(1)),
+                f"{prefix}.feed_forward.w3": Colwise(),
+            }
+    return plan
+
+
+def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config,
+                      device: torch.device) -> nn.Module:
+    fsdp = uses_fsdp(config, dims)
+    if config.float8.enable:
+        convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, ROUTER], device,
+                          config.float8.enable_fsdp_float8_all_gather and fsdp)
+    if dims.tp > 1:
+        check_tp_fits(model, dims.tp)
+        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
+        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+            # TP gave each module its own DTensor of the tied matrix, both sharded along the vocabulary
+            # (dim 0): share one again.
+            model.output.weight = model.tok_embeddings.weight
+        if config.parallelism.enable_async_tensor_parallel:
+            enable_async_tensor_parallel(mesh["tp"])
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_mesh)
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh["cp"], config.training.seq_len)
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
+                                   config.activation_checkpoint.selective_ac_option)
+    if config.compile.enable:
+        compile_blocks(model.layers)
+    param_dtype = DTYPES[config.training.mixed_precision_param]
+    reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+    # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.
+    shard_moe(model, dims, fsdp, param_dtype, reduce_dtype, config.parallelism.fsdp_reshard_after_forward)
+    if fsdp:
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh,
+            units=list(model.layers.values()),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            pipeline_parallel=dims.pp > 1,
+        )
+    return model

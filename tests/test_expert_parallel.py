@@ -1,0 +1,121 @@
+"""Expert parallelism in training: the debug MoE model on 4 gloo processes, with ep combined with FSDP,
+HSDP, tensor and pipeline parallelism, trains like one process (per-step losses and gradient norms at the
+same global batch and seed, CPU fp32), and a checkpoint saved at one ep degree resumes at another."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import REPO, losses, metric_lines, torchrun
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+BASE = [
+    "--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+    "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
+    "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--metrics.log_freq", "1",
+]
+
+
+def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, extra=()):
+    dp = dp_replicate * dp_shard
+    return dp * tp * pp, [
+        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.expert_parallel_degree", str(ep),
+        "--training.local_batch_size", str(8 // dp),
+        *extra,
+    ]
+
+
+LAYOUTS = {
+    "dp_shard4_ep4": layout(dp_shard=4, ep=4),
+    "dp_shard2_tp2_ep2": layout(dp_shard=2, tp=2, ep=2),
+    "pp2_dp_shard2_ep2": layout(pp=2, dp_shard=2, ep=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]),
+    "hsdp_2x2_ep2": layout(dp_replicate=2, dp_shard=2, ep=2),
+    "tp2": layout(tp=2),
+    "dp_shard2_ep2_full_ac": layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]),
+}
+
+
+def grad_norms(dump) -> dict[int, float]:
+    return {m["step"]: m["grad_norm"] for m in metric_lines(dump) if "loss" in m}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run every layout is compared with."""
+    import train
+
+    dump = tmp_path_factory.mktemp("reference")
+    assert train.main([*BASE, "--training.local_batch_size", "8", "--job.dump_folder", str(dump)]) == 0
+    return dump
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_layout_matches_one_process(name, reference, tmp_path):
+    nproc, args = LAYOUTS[name]
+    torchrun(nproc, [*BASE, *args, "--job.dump_folder", str(tmp_path)])
+    got, expected = losses(tmp_path), losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
+    for step, norm in grad_norms(reference).items():
+        assert grad_norms(tmp_path)[step] == pytest.approx(norm, rel=1e-3), (name, step)
+    moe_records = [m for m in metric_lines(tmp_path) if "loss" in m]
+    assert all(m["moe_max_load"] >= 1 and "moe_aux_loss" in m for m in moe_records)
+
+
+def test_checkpoint_saved_at_ep4_resumes_at_ep2_with_tensor_parallel(reference, tmp_path):
+    """The experts are saved as whole tensors (DTensors over the ep ranks): any ep degree loads them."""
+    nproc, ep4 = layout(dp_shard=4, ep=4)
+    saving = ["--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)]
+    torchrun(nproc, [*BASE, *ep4, *saving])
+    shutil.rmtree(tmp_path / "checkpoint" / f"step-{STEPS}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    nproc, tp2_ep2 = layout(dp_shard=2, tp=2, ep=2)
+    torchrun(nproc, [*BASE, *tp2_ep2, *saving])
+    got, expected = losses(tmp_path), losses(reference)
+    assert sorted(got) == list(range(4, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
+
+
+def test_expert_parallel_degree_must_divide_the_experts_and_the_shard_degree(tmp_path):
+    nproc, args = layout(dp_shard=4, ep=4)
+    with pytest.raises(AssertionError, match=r"moe.num_experts 6 must be divisible by "
+                                             r"parallelism.expert_parallel_degree 4"):
+        torchrun(nproc, [*BASE, *args, "--moe.num_experts", "6", "--job.dump_folder", str(tmp_path)])
+    import train
+
+    code = train.main([*BASE, "--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
+    assert code == 2  # one process: dp_shard 1 has no ranks to lend
+
+
+def test_expert_parallelism_is_refused_for_a_model_without_experts(tmp_path):
+    args = ["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--training.steps", "1",
+            "--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]
+    with pytest.raises(AssertionError, match=r"parallelism.expert_parallel_degree 2 needs a mixture-of-experts "
+                                             r"model; llama3 debugmodel has none"):
+        torchrun(2, args)
+
+
+def test_the_commands_of_the_moe_doc_train(tmp_path):
+    """docs/moe.md's two commands, cut short (later arguments win)."""
+    doc = (REPO / "docs" / "moe.md").read_text()
+    commands = re.findall(r"^((?:\w+=\S+ )+)\./run_train\.sh (.+)$", doc, re.M)
+    assert len(commands) == 2
+    for i, (env_text, args) in enumerate(commands):
+        env = dict(os.environ, OMP_NUM_THREADS="1", **dict(v.split("=") for v in env_text.split()))
+        short = ["--training.steps", "2", "--training.seq_len", "64", "--model.n_layers", "2",
+                 "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
+                 "--job.dump_folder", str(tmp_path / str(i))]
+        run = subprocess.run(["./run_train.sh", *args.split(), *short], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert sorted(losses(tmp_path / str(i))) == [1, 2]
