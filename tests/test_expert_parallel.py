@@ -1,6 +1,7 @@
-"""Expert parallelism in training: the debug MoE model on 4 gloo processes, with ep combined with FSDP,
-HSDP, tensor and pipeline parallelism, trains like one process (per-step losses and gradient norms at the
-same global batch and seed, CPU fp32), and a checkpoint saved at one ep degree resumes at another."""
+"""Expert parallelism in training: the debug MoE model on 2 and 4 gloo processes, with ep combined with
+FSDP, HSDP, tensor and pipeline parallelism, activation checkpointing and compile, trains like one
+process (per-step losses and gradient norms at the same global batch and seed, CPU fp32); a checkpoint
+saved at one ep degree resumes at another and exports like one process's."""
 
 import os
 import re
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from conftest import REPO, losses, metric_lines, torchrun
 
 pytestmark = pytest.mark.slow
@@ -40,6 +42,7 @@ LAYOUTS = {
     "hsdp_2x2_ep2": layout(dp_replicate=2, dp_shard=2, ep=2),
     "tp2": layout(tp=2),
     "dp_shard2_ep2_full_ac": layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]),
+    "dp_shard2_ep2_compile": layout(dp_shard=2, ep=2, extra=["--compile.enable", "true"]),
 }
 
 
@@ -119,3 +122,26 @@ def test_the_commands_of_the_moe_doc_train(tmp_path):
                              text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert sorted(losses(tmp_path / str(i))) == [1, 2]
+
+
+def test_export_of_a_checkpoint_saved_under_expert_parallelism_equals_one_process(tmp_path):
+    """A seed checkpoint (one process) and the checkpoint four ep ranks save from it after a step at lr 0
+    (weights unchanged) export to the same Hugging Face tensors."""
+    import train
+    from components.hf import read_hf_weights
+    from scripts import hf as converter
+
+    small = [*BASE, "--moe.bias_update_speed", "0"]
+    seed = tmp_path / "seed"
+    assert train.main([*small, "--checkpoint.create_seed_checkpoint", "true", "--job.dump_folder", str(seed)]) == 0
+    nproc, ep4 = layout(dp_shard=4, ep=4)
+    torchrun(nproc, [*small, *ep4, "--training.steps", "1", "--optimizer.lr", "0", "--checkpoint.enable", "true",
+                     "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
+                     "--job.dump_folder", str(tmp_path / "ep4")])
+    checkpoints = {"one": seed / "checkpoint" / "step-0", "ep4": tmp_path / "ep4" / "checkpoint" / "step-1"}
+    for name, checkpoint in checkpoints.items():
+        exported = ["export", *small, "--checkpoint", str(checkpoint), "--output", str(tmp_path / name)]
+        assert converter.main(exported) == 0
+    one, four = read_hf_weights(tmp_path / "one"), read_hf_weights(tmp_path / "ep4")
+    assert any(".experts." in k for k in one)
+    assert one.keys() == four.keys() and all(torch.equal(one[k], four[k]) for k in one)
