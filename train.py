@@ -6,6 +6,7 @@ also works for a single process.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -43,6 +44,7 @@ from components.tokenizer import build_tokenizer
 from models.moe import RoutingTally
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import precompute_float8_scales
+from parallelisms.fsdp import offload_parameters
 from parallelisms.pipeline import Pipeline, build_pipeline
 
 logger = logging.getLogger("ingot")
@@ -70,6 +72,7 @@ def train(config: Config, signals: StopSignals) -> int:
     plan = batch_plan(training, dims.dp)
     torch.manual_seed(training.seed)
     if training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
         torch.use_deterministic_algorithms(True)
     dump_folder = Path(config.job.dump_folder)
     # Agreeing on stop signals without a device sync: a CPU group, with the training timeout.
@@ -104,6 +107,8 @@ def train(config: Config, signals: StopSignals) -> int:
         if not init_before_sharding:
             part.to_empty(device=device)
             part.init_weights()
+            if config.parallelism.fsdp_cpu_offload:
+                offload_parameters(part)
         part.train()
     # Read from this module's globals at this point, so that a test can swap the loss (test_reliability.py).
     loss_fn = cross_entropy_loss if dims.tp > 1 or not config.compile.enable else torch.compile(cross_entropy_loss)
@@ -324,7 +329,8 @@ def train_step(
                 part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
         loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=True)
     layers = layer_metrics.collect(loss_sum.device) if layer_metrics is not None else None  # before clipping
-    grad_norm = clip_grad_norm(model.parts, max_norm, model.pp_group)
+    # With FSDP's CPU offload the gradients and so their norm are in host memory.
+    grad_norm = clip_grad_norm(optimizers, max_norm, model.pp_group).to(loss_sum.device)
     return mean_over_ranks(model, loss_sum), grad_norm, layers
 
 

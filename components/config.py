@@ -177,6 +177,10 @@ class Parallelism:
     to them by all-to-all. Uses data-parallel ranks: must divide the data-parallel shard degree."""
     fsdp_reshard_after_forward: str = "default"
     """One of default, always, never."""
+    fsdp_cpu_offload: bool = False
+    """Keep FSDP's parameter shards, gradients and optimizer state in host memory (the optimizer steps
+    on the CPU): for models whose training state does not fit in device memory, at a cost in speed.
+    Turns FSDP on also where it would not be (one process, float32)."""
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with compute (CUDA with compile.enable only)."""
     pipeline_parallel_schedule: str = "1F1B"
@@ -248,7 +252,7 @@ class Metrics:
     save_tb_folder: str = "tb"
     peak_flops: float = 0.0
     """Peak dense FLOP/s of one device for MFU (e.g. 989e12); 0 = from a table of known GPUs by the
-    training dtype, on CPU a matmul rate measured at start-up."""
+    training dtype; CPUs and other GPUs then log no MFU."""
     per_layer: bool = False
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
 

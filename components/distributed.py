@@ -29,6 +29,8 @@ def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
     if torch.cuda.is_available() and comm.trace_buf_size > 0:
         traces = dump_folder / comm.flight_recorder_folder
         traces.mkdir(parents=True, exist_ok=True)
+        # TORCH_FR_BUFFER_SIZE is the newer name of TORCH_NCCL_TRACE_BUFFER_SIZE; torch reads either.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(traces / "rank_"))
@@ -154,15 +156,6 @@ class ParallelDims:
         # 2-D mesh only if its dims are in the order of their root mesh, which the world mesh cannot
         # give (cp and tp come after ep): the experts get a mesh of their own over the same ranks.
         ranks = torch.arange(self.world_size).view(*(sizes[d] for d in names))
-        ranks = ranks.permute(0, 1, 2, 4, 5, 3).reshape(self.pp, self.dp_replicate, -1, self.ep)
-        expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "expert_shard", "ep"))
-        replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()
-        self.expert_fsdp_mesh, self.ep_mesh = expert_mesh[(*replicate, "expert_shard")], expert_mesh["ep"]
-        return mesh
-        # The experts' weights are DTensors over (their FSDP ranks, ep). DTensor reduces over such a
-        # 2-D mesh only if its dims are in the order of their root mesh, which the world mesh cannot
-        # give (cp and tp come after ep): the experts get a mesh of their own over the same ranks.
-        ranks = torch.arange(self.world_size).view(*(sizes[d] for d in MESH_DIMS))
         ranks = ranks.permute(0, 1, 2, 4, 5, 3).reshape(self.pp, self.dp_replicate, -1, self.ep)
         expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "expert_shard", "ep"))
         replicate = ("dp_replicate",) if self.dp_replicate > 1 else ()

@@ -20,6 +20,10 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
         # parallelism's attention builds its own mask.
         "training.document_masking with pipeline or context parallelism":
             config.training.document_masking and dims.pp * dims.cp > 1,
+        # FSDP re-pins offloaded shards as plain tensors, not as torchao's float8-cast weights.
+        "parallelism.fsdp_cpu_offload with float8.enable_fsdp_float8_all_gather":
+            config.parallelism.fsdp_cpu_offload and config.float8.enable
+            and config.float8.enable_fsdp_float8_all_gather,
     }
     named = [key for key, used in unsupported.items() if used]
     if named:
@@ -42,5 +46,6 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:
     """FSDP shards over data-parallel (and context-parallel) ranks; on one rank it still provides
-    bf16 mixed precision."""
-    return dims.dp * dims.cp > 1 or config.training.mixed_precision_param != "float32"
+    bf16 mixed precision and CPU offload."""
+    return (dims.dp * dims.cp > 1 or config.training.mixed_precision_param != "float32"
+            or config.parallelism.fsdp_cpu_offload)

@@ -20,10 +20,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s (no sparsity) of the GPUs we know by the dtype of the matmuls, matched against
-# the device name; fp32 matmuls run as TF32. The datasheets' SXM figures.
+# the device name, first match wins (PCIe and NVL cards before the SXM ones of the same name); fp32
+# matmuls run as TF32.
 GPU_PEAK_TFLOPS = {
     "B200": {"float8": 4500.0, "bfloat16": 2250.0, "float32": 1100.0},
+    "H200 NVL": {"float8": 1671.0, "bfloat16": 835.0, "float32": 418.0},
     "H200": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
+    "H100 PCIe": {"float8": 1513.0, "bfloat16": 756.0, "float32": 378.0},
+    "H100 NVL": {"float8": 1671.0, "bfloat16": 835.0, "float32": 418.0},
     "H100": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
     "H800": {"float8": 1979.0, "bfloat16": 989.0, "float32": 494.0},
     "A100": {"bfloat16": 312.0, "float32": 156.0},
@@ -31,26 +35,23 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def peak_flops(device: torch.device, configured: float, dtype: str = "bfloat16") -> tuple[float, str]:
+def peak_flops(device: torch.device, configured: float, dtype: str = "bfloat16") -> tuple[float | None, str]:
     """Peak FLOP/s of one device for MFU with matmuls in `dtype` (float8, bfloat16, float32), and
-    where the figure comes from."""
+    where the figure comes from; None where there is no trustworthy figure.
+
+    A CPU has no datasheet peak we could look up, and a peak measured at start-up undercuts the
+    training matmuls whenever the machine was busy while it was measured (MFU above 100%): without
+    `metrics.peak_flops`, CPU runs and unknown GPUs log no MFU at all."""
     if configured > 0:
         return configured, "metrics.peak_flops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, by_dtype in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                tflops = by_dtype.get(dtype, by_dtype["bfloat16"])
-                return tflops * 1e12, f"{name} {dtype if dtype in by_dtype else 'bfloat16'} datasheet"
-        logger.warning(f"unknown GPU {name!r}: set metrics.peak_flops for a meaningful MFU")
-        return float("nan"), "unknown"
-    # No datasheet for an arbitrary CPU: measure what an fp32 matmul reaches on this process's threads.
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    start, repeats = time.perf_counter(), 8
-    for _ in range(repeats):
-        a @ b
-    return repeats * 2 * 1024**3 / (time.perf_counter() - start), "measured fp32 matmul"
+    if device.type != "cuda":
+        return None, f"no MFU on {device.type}: its peak FLOP/s is unknown; set metrics.peak_flops for one"
+    name = torch.cuda.get_device_name(device)
+    for key, by_dtype in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            dtype = dtype if dtype in by_dtype else "bfloat16"
+            return by_dtype[dtype] * 1e12, f"{name} {dtype} datasheet"
+    return None, f"no MFU on {name!r}: its peak FLOP/s is not in the table; set metrics.peak_flops for one"
 
 
 def peak_rss_bytes() -> int:
@@ -119,7 +120,8 @@ class MetricsLogger:
         self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
         self.jsonl = self.tb = None
         if is_writer:
-            logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})")
+            logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})"
+                        if self.peak_flops else source)
             jsonl_path = dump_folder / "metrics.jsonl"
             keep_records_up_to(jsonl_path, resume_step)
             self.jsonl = open(jsonl_path, "a", buffering=1)
@@ -154,21 +156,22 @@ class MetricsLogger:
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_second": tps,
-            "mfu": 100 * tps * self.flops_per_token / self.peak_flops,
+            "mfu": 100 * tps * self.flops_per_token / self.peak_flops if self.peak_flops else None,
             "memory_gib": peak_memory_gib(self.device),
             **(counters or {}),
         }
         if self.is_writer:
+            mfu = f"mfu {record['mfu']:5.2f}%  " if record["mfu"] is not None else ""
             logger.info(
                 f"step {step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-                f"tokens/s {tps:9,.0f}  mfu {record['mfu']:5.2f}%  memory {record['memory_gib']:6.2f}GiB"
+                f"tokens/s {tps:9,.0f}  {mfu}memory {record['memory_gib']:6.2f}GiB"
                 + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
                 + (f"  moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
             if self.tb is not None:
                 for key, value in record.items():
-                    if key != "step":
+                    if key != "step" and value is not None:
                         self.tb.add_scalar(f"train/{key}", value, step)
         self.reset_timer()
 

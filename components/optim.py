@@ -52,8 +52,9 @@ class Optimizers(Stateful):
                 return
             skip = None
         for optimizer in self.optimizers:
-            if skip is not None:
-                optimizer.found_inf, optimizer.grad_scale = skip.float(), None
+            if skip is not None:  # on the parameters' device: the host's with FSDP's CPU offload
+                device = optimizer.param_groups[0]["params"][0].device
+                optimizer.found_inf, optimizer.grad_scale = skip.float().to(device), None
             optimizer.step()
 
     def state_dict(self) -> dict:
@@ -138,12 +139,14 @@ def by_mesh(params) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def clip_grad_norm(model_parts: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
 
-    The norm is taken per `by_mesh` group and the parts combined. Under pipeline parallelism each rank
-    sees only its stages' gradients, so the squared norms are summed over the pipeline group."""
-    groups = by_mesh(p for part in model_parts for p in part.parameters() if p.grad is not None)
+    The norm is taken per parameter group of the optimizers (each a `by_mesh` group of a model part)
+    and the groups combined. Under pipeline parallelism each rank sees only its stages' gradients, so
+    the squared norms are summed over the pipeline group."""
+    groups = [[p for p in group["params"] if p.grad is not None] for group in optimizers.param_groups]
+    groups = [params for params in groups if params]
     norms = []
     for params in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)

@@ -3,9 +3,10 @@
 SLURM sends SIGTERM before killing a job (preemption, scancel; SIGKILL follows after its
 GraceTime/KillWait), and `#SBATCH --signal=USR1@<seconds>` sends SIGUSR1 that long before the time
 limit. torchrun forwards both to the workers when told to (run_train.sh does: see
-docs/reliability.md). train.main installs a handler that only notes the signal. At the next step boundary the ranks
-agree (one all-reduce on a CPU group: no device sync) whether any of them got one; if so, they all save a
-checkpoint of that step and train.py exits with EXIT_PREEMPTED. Re-running the same command resumes.
+docs/reliability.md). train.main installs a handler that only notes the signal. At each step boundary the ranks
+agree whether any of them got one (an all-reduce on a CPU group, so no device sync, whose answer is read one step
+later, so that no step waits for it); if so, they all save a checkpoint of that step and train.py exits with
+EXIT_PREEMPTED. Re-running the same command resumes.
 
 The handler is installed before the data loader starts its worker processes, which inherit it:
 a signal that reaches the whole process tree must not kill a worker before the checkpoint is saved.
@@ -38,6 +39,7 @@ class StopSignals:
     def __init__(self):
         self.received: int | None = None
         self.previous = {}
+        self.in_flight: tuple[torch.Tensor, dist.Work] | None = None
 
     def __enter__(self) -> StopSignals:
         for signum in SIGNALS:
@@ -52,10 +54,18 @@ class StopSignals:
         self.received = signum
 
     def agreed(self, group) -> bool:
-        """Whether any rank of `group` (a gloo group: CPU tensors) has received a signal."""
+        """Whether any rank of `group` (a gloo group: CPU tensors) had received a signal when the previous
+        call was made. Each call starts the all-reduce of this rank's flag and reads the one the previous
+        call started, which every rank has joined by now: the ranks agree one step later and never wait
+        for each other here."""
         flag = torch.tensor([0 if self.received is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        previous, self.in_flight = self.in_flight, (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group,
+                                                                          async_op=True))
+        if previous is None:
+            return False
+        previous_flag, work = previous
+        work.wait()
+        return bool(previous_flag.item())
 
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"

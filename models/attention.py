@@ -60,8 +60,10 @@ def document_mask(document_ids: torch.Tensor, flex: bool | None = None) -> torch
         def same_document_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+        # Compiled on CUDA: eager, the mask is built from a dense (batch, seq, seq) evaluation of
+        # mask_mod, gigabytes at seq 8192.
         return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
-                                 device=document_ids.device)
+                                 device=document_ids.device, _compile=document_ids.device.type == "cuda")
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from components.distributed import ParallelDims
 from models.moe import GroupedExperts, MoE
-from parallelisms.fsdp import resharding
+from parallelisms.fsdp import offload_policy, resharding
 
 
 class AllToAllDispatch:
@@ -79,7 +79,7 @@ def moe_tensor_parallel_plan() -> PrepareModuleInput:
 
 
 def shard_moe(model: nn.Module, dims: ParallelDims, fsdp: bool, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-              reshard_after_forward: str) -> None:
+              reshard_after_forward: str, cpu_offload: bool = False) -> None:
     """FSDP units for the MoE layers of `model`: the experts over `dims.expert_fsdp_mesh`, the rest of
     each layer over `dims.moe_fsdp_mesh`. Call before the blocks are sharded (they then leave these
     parameters out). Done whenever the rest of the model uses FSDP (`fsdp`), and also without it when
@@ -91,7 +91,8 @@ def shard_moe(model: nn.Module, dims: ParallelDims, fsdp: bool, param_dtype: tor
     reshard = resharding(reshard_after_forward, dims.pp > 1)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         for module, mesh in ((moe.experts, dims.expert_fsdp_mesh), (moe, dims.moe_fsdp_mesh)):
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                        offload_policy=offload_policy(cpu_offload, mesh.device_type))
             module.set_gradient_divide_factor(float(dims.dp * dims.cp))
             # gloo has no pre-multiplied sum: sum, then divide. (Not over one rank, where torch 2.13's
             # FSDP would then divide twice.)

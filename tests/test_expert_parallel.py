@@ -43,6 +43,7 @@ LAYOUTS = {
     "tp2": layout(tp=2),
     "dp_shard2_ep2_full_ac": layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]),
     "dp_shard2_ep2_compile": layout(dp_shard=2, ep=2, extra=["--compile.enable", "true"]),
+    "dp_shard2_ep2_cpu_offload": layout(dp_shard=2, ep=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
 }
 
 

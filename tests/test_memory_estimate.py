@@ -65,6 +65,18 @@ def test_sharded_state_is_params_over_shard_degree():
     assert est.parts["fsdp_buffers"] > 0 and est.parts["baseline"] == 0 and est.parts["allocator"] == 0
 
 
+
+def test_cpu_offload_moves_the_sharded_state_off_the_gpu():
+    """With parallelism.fsdp_cpu_offload the fp32 parameters, gradient shards and AdamW state (16 bytes
+    a parameter) are host memory: the GPU estimate drops them and says where they went."""
+    n = debug_param_count()
+    args = ("--training.mixed_precision_param", "bfloat16")
+    on_gpu = estimate(*args, world_size=4, target="cuda")
+    offloaded = estimate(*args, "--parallelism.fsdp_cpu_offload", "true", world_size=4, target="cuda")
+    assert offloaded.parts["parameters"] == offloaded.parts["optimizer"] == 0
+    assert offloaded.total <= on_gpu.total - 12 * n // 4
+    assert any(f"{16 * n // 4 / 2**30:.3f} GiB of fp32 parameters" in r for r in offloaded.remarks)
+
 @pytest.mark.parametrize("config_file,layout", [
     ("debug_model.toml", {"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2}),
     ("debug_model.toml", {"data_parallel_shard_degree": 2, "context_parallel_degree": 2, "tensor_parallel_degree": 2}),

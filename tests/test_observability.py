@@ -63,7 +63,24 @@ def test_per_layer_metrics_are_logged_and_layout_independent(tmp_path, train_in_
                     assert got[step][layer][field] == pytest.approx(value, rel=1e-4), (name, step, layer, field)
 
 
-def test_peak_flops_from_config_or_measured_on_cpu():
+def test_peak_flops_comes_from_the_config_and_a_cpu_has_none_of_its_own():
     assert peak_flops(torch.device("cpu"), 5e12) == (5e12, "metrics.peak_flops")
-    measured, source = peak_flops(torch.device("cpu"), 0.0)
-    assert measured > 1e8 and source == "measured fp32 matmul"
+    peak, reason = peak_flops(torch.device("cpu"), 0.0)
+    assert peak is None and "set metrics.peak_flops" in reason
+
+
+@pytest.mark.parametrize("configured_peak", [0.0, 2e12])
+def test_a_cpu_logs_mfu_only_against_a_configured_peak(tmp_path, configured_peak):
+    from components.config import Metrics
+    from components.metrics import MetricsLogger, read_metrics
+
+    cfg = Metrics(enable_tensorboard=False, peak_flops=configured_peak)
+    metrics = MetricsLogger(tmp_path, cfg, torch.device("cpu"), flops_per_token=1e6, world_size=1, is_writer=True)
+    metrics.count_tokens(1000)
+    metrics.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
+    metrics.close()
+    (record,), _ = read_metrics(tmp_path / "metrics.jsonl")
+    if configured_peak:
+        assert record["mfu"] == pytest.approx(100 * record["tokens_per_second"] * 1e6 / configured_peak)
+    else:
+        assert record["mfu"] is None

@@ -42,6 +42,8 @@ LAYOUTS = {
     "cp2_dp_shard2": layout(cp=2, dp_shard=2),
     "cp2_tp2": layout(cp=2, tp=2),
     "dp_shard2_tp2_pp2": layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "dp_shard2_tp2_cpu_offload": layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+    "pp2_dp_shard2_cpu_offload": layout(pp=2, dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
 }
 
 

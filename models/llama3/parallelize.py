@@ -105,5 +105,6 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
             reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
             pipeline_parallel=dims.pp > 1,
+            cpu_offload=config.parallelism.fsdp_cpu_offload,
         )
     return model

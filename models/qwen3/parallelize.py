@@ -118,7 +118,8 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.
-    shard_moe(model, dims, fsdp, param_dtype, reduce_dtype, config.parallelism.fsdp_reshard_after_forward)
+    shard_moe(model, dims, fsdp, param_dtype, reduce_dtype, config.parallelism.fsdp_reshard_after_forward,
+              config.parallelism.fsdp_cpu_offload)
     if fsdp:
         apply_fsdp(
             model,
@@ -128,5 +129,6 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
             reduce_dtype=reduce_dtype,
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
             pipeline_parallel=dims.pp > 1,
+            cpu_offload=config.parallelism.fsdp_cpu_offload,
         )
     return model

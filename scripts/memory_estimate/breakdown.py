@@ -184,6 +184,8 @@ class Layout:
     """cpu (peak resident memory) or cuda (torch.cuda.max_memory_reserved)."""
     baseline: int
     """cpu: the resident memory of the trainer's imports."""
+    cpu_offload: bool = False
+    """parallelism.fsdp_cpu_offload: FSDP keeps parameters, gradient shards and optimizer state on the host."""
 
 
 @dataclass
@@ -243,6 +245,9 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     # FSDP every gradient is fp32 and whole (/ tp).
     root_scale = 1 / tp
     block_scale = (4 / cb) / (tp * fsdp_degree) if layout.fsdp else 1 / tp
+    offloaded = layout.cpu_offload and layout.target == "cuda"
+    if offloaded:  # each block's reduce-scattered gradient shards are copied to the host
+        block_scale = 0
     accumulating = layout.grad_accum_steps > 1 or (dims.pp > 1 and layout.pipeline_micro_batches > 1)
     accumulated = 0
     if accumulating:
@@ -306,6 +311,12 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     if layout.target == "cpu":
         opt_parts["allocator"] = int(CPU_HEAP_FRAGMENTATION * opt_temp)
     opt_total = sum(opt_parts.values())
+    if offloaded:
+        host = params.rank * 16
+        parts["parameters"] = parts["optimizer"] = opt_total = 0
+        notes["parameters"] = notes["optimizer"] = "in host memory (parallelism.fsdp_cpu_offload)"
+        remarks.append(f"parallelism.fsdp_cpu_offload: {host / GiB:.3f} GiB of fp32 parameters, gradients and "
+                       "optimizer state in pinned host memory on this rank (the optimizer steps there); not counted")
     estimate = MemoryEstimate(parts, notes, [], remarks, layout.target, "forward/backward", int(activations))
     if opt_total > estimate.total:
         fwd_total, parts = estimate.total, opt_parts

@@ -158,6 +158,7 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
         reduce_dtype=DTYPES[training.mixed_precision_reduce], micro_batch=micro_batch,
         local_seq=training.seq_len // dims.cp, grad_accum_steps=grad_accum_steps,
         pipeline_micro_batches=n_micro_batches, target=target, baseline=baseline_bytes or 0,
+        cpu_offload=p.fsdp_cpu_offload,
     )
 
     ac_mode, ac_option = config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option

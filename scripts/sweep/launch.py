@@ -100,10 +100,10 @@ def _now() -> str:
 
 
 def _trainer_lines(stderr: str) -> list[str]:
-    """A failed run's stderr up to torchrun's own report of the failure (its traceback and summary)."""
+    """A failed run's stderr up to torchrun's own traceback of the failure. Its warnings (closing
+    signals sent to the other workers) can come before the failed worker's last lines, so they are kept."""
     lines = stderr.splitlines()
-    end = next((i for i, line in enumerate(lines) if "ChildFailedError" in line or "elastic/multiprocessing" in line),
-               len(lines))
+    end = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), len(lines))
     return lines[:end]
 
 

@@ -72,7 +72,7 @@ def summarize(train: list[dict], val: list[dict]) -> dict:
             final_loss=statistics.fmean(r["loss"] for r in tail),
             best_loss=min(r["loss"] for r in train),
             tokens_per_second=statistics.median(r["tokens_per_second"] for r in steady),
-            mfu=statistics.median(r["mfu"] for r in steady),
+            mfu=statistics.median(mfus) if (mfus := [r["mfu"] for r in steady if r.get("mfu") is not None]) else None,
             peak_memory_gib=max(r["memory_gib"] for r in train),
         )
     if val:

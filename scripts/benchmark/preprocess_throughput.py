@@ -9,9 +9,9 @@ core does, unaffected by other load on the machine) and input MB/s.
 
 Run from the repository root:
 
-    python -m scripts.benchmarks.preprocess_throughput                  # 50 MB, default sentencepiece tokenizer
-    python -m scripts.benchmarks.preprocess_throughput --mb 200 --workers 1 4 8
-    python -m scripts.benchmarks.preprocess_throughput --tokenizer tests/assets/tokenizers/gpt2.tiktoken
+    python -m scripts.benchmark.preprocess_throughput                  # 50 MB, default sentencepiece tokenizer
+    python -m scripts.benchmark.preprocess_throughput --mb 200 --workers 1 4 8
+    python -m scripts.benchmark.preprocess_throughput --tokenizer tests/assets/tokenizers/gpt2.tiktoken
 
 Target: at least 500K tokens/s per core with the default sentencepiece tokenizer.
 """

@@ -1,6 +1,6 @@
 """Samples/s and tokens/s of the packed-data loader (components/data/packed.py).
 
-    python -m scripts.benchmarks.packed_loader_throughput [--tokens 50000000] [--seconds 5]
+    python -m scripts.benchmark.packed_loader_throughput [--tokens 50000000] [--seconds 5]
 
 Writes a packed folder of random uint16 token ids in a temporary directory (freshly written, so it
 is read from the page cache: this measures the loader, not the disk), then reads shuffled batches

@@ -1,6 +1,6 @@
 """Tokens/s of ingot's trainer against a bare PyTorch loop on the same model and batch.
 
-    python -m scripts.benchmarks.framework_overhead [--steps 40] [extra train.py flags]
+    python -m scripts.benchmark.framework_overhead [--steps 40] [extra train.py flags]
 
 Both run the debug model (train_configs/debug_model.toml) for the same number of steps in this
 process on one rank; the first `--warmup` steps are left out of both rates. The bare loop is what
