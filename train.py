@@ -6,6 +6,7 @@ also works for a single process.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -28,12 +29,14 @@ from components.batch import batch_plan
 from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
 from components.data.documents import document_ids
-from components.data.loaders import build_dataloader, build_validation_dataloader
+from components.data.loaders import build_dataloader, build_validation_dataloader, validation_sources
 from components.distributed import ParallelDims, init_distributed, set_collective_timeout
+from components.evaluation.scoring import evaluate_task, prepare_task
+from components.evaluation.tasks import read_task
 from components.hf import load_hf_weights
 from components.layer_metrics import LayerMetrics
 from components.layout_checks import check_supported
-from components.loss import cross_entropy_loss
+from components.loss import cross_entropy_loss, sequence_loglikelihoods
 from components.metrics import MetricsLogger, peak_memory_gib
 from components.model_package import import_model_package
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
@@ -139,8 +142,13 @@ def train(config: Config, signals: StopSignals) -> int:
     optimizers = Optimizers(model_parts, config.optimizer)
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
     dataloader = build_dataloader(config, tokenizer, dp_rank, dims.dp)
+    validation_paths = validation_sources(config.validation.dataset_path)
     if config.validation.enable:  # a bad validation.dataset_path fails now, not at the first validation
-        build_validation_dataloader(config, tokenizer, dp_rank, dims.dp)
+        for path in validation_paths.values():
+            build_validation_dataloader(config, tokenizer, dp_rank, dims.dp, path)
+    evaluation = config.evaluation
+    tasks = ([prepare_task(read_task(spec, evaluation.limit), tokenizer, training.seq_len) for spec in evaluation.tasks]
+             if evaluation.enable else [])
     train_state = TrainState()
     step_guard = StepGuard(training, device)
     checkpointer = CheckpointManager(
@@ -174,10 +182,32 @@ def train(config: Config, signals: StopSignals) -> int:
 
     def validate(step: int) -> None:
         start = time.perf_counter()
-        loader = build_validation_dataloader(config, tokenizer, dp_rank, dims.dp)
-        val_batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in loader)
-        loss = validation_loss(model, val_batches, config.validation.steps, plan.grad_accum_steps)
-        metrics.log_validation(step, loss, time.perf_counter() - start)
+        losses = {}
+        for name, path in validation_paths.items():
+            loader = build_validation_dataloader(config, tokenizer, dp_rank, dims.dp, path)
+            val_batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in loader)
+            losses[name] = validation_loss(model, val_batches, config.validation.steps, plan.grad_accum_steps)
+        metrics.log_validation(step, losses, time.perf_counter() - start)
+
+    def evaluate(step: int) -> None:
+        start = time.perf_counter()
+        for part in model_parts:
+            part.eval()
+
+        def score(windows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return loglikelihoods(model, *prepare_batch(windows, device, eos_id, cp_mesh, labels))
+
+        results = {
+            prepared.task.name: evaluate_task(
+                prepared, score, lambda totals: over_ranks(model, totals, dist.ReduceOp.SUM), dp_rank, dims.dp,
+                training.local_batch_size, training.seq_len, multiple=math.lcm(64, 2 * dims.cp * dims.tp),
+                fixed_length=dims.pp > 1, device=device,
+            )
+            for prepared in tasks
+        }
+        for part in model_parts:
+            part.train()
+        metrics.log_evaluation(step, results, time.perf_counter() - start)
 
     def stop_for_signal(step: int) -> int:
         """Save a checkpoint of `step` on every rank; return the exit status of a preempted run."""
@@ -227,6 +257,8 @@ def train(config: Config, signals: StopSignals) -> int:
                     metrics.log_layers(step, layers)
                 if config.validation.enable and (step % config.validation.freq == 0 or step == training.steps):
                     validate(step)
+                if evaluation.enable and (step % evaluation.freq == 0 or step == training.steps):
+                    evaluate(step)
                 if step == start_step + 1:
                     logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
                 checkpointer.maybe_save(step)
@@ -271,12 +303,15 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_batch(
-    batch: torch.Tensor, device: torch.device, eos_id: int | None, cp_mesh: DeviceMesh | None
+    batch: torch.Tensor, device: torch.device, eos_id: int | None, cp_mesh: DeviceMesh | None,
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's inputs, labels and (with document masking: an eos_id) document ids of a batch of
-    windows; under context parallelism (a cp_mesh), its share of the sequence."""
+    windows; under context parallelism (a cp_mesh), its share of the sequence. The labels are the
+    windows' next tokens unless given."""
     batch = batch.to(device, non_blocking=True)
-    inputs, labels = batch[:, :-1], batch[:, 1:]
+    inputs = batch[:, :-1]
+    labels = batch[:, 1:] if labels is None else labels.to(device, non_blocking=True)
     documents = document_ids(inputs, eos_id) if eos_id is not None else None
     if cp_mesh is not None:
         inputs, labels = shard_sequence(inputs, cp_mesh), shard_sequence(labels, cp_mesh)
@@ -302,13 +337,26 @@ def forward_backward(
         return gathered(loss).detach()
 
 
-def mean_over_ranks(model: ModelOnRank, loss_sum: torch.Tensor) -> torch.Tensor:
-    """A loss summed on the last pipeline stage, averaged over data- and context-parallel ranks."""
-    if model.pp_group is not None:  # only the last stage computed it
-        dist.all_reduce(loss_sum, group=model.pp_group)
+def over_ranks(model: ModelOnRank, value: torch.Tensor, op=dist.ReduceOp.AVG) -> torch.Tensor:
+    """A value computed on the last pipeline stage (zeros elsewhere), reduced with `op` over the data-
+    and context-parallel ranks: the mean of their losses, or the sum of their shares of log-likelihoods."""
+    if model.pp_group is not None:
+        dist.all_reduce(value, group=model.pp_group)
     if model.loss_group is not None:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.loss_group)
-    return loss_sum
+        dist.all_reduce(value, op=op, group=model.loss_group)
+    return value
+
+
+@torch.no_grad()
+def loglikelihoods(model: ModelOnRank, inputs: torch.Tensor, labels: torch.Tensor,
+                   documents: torch.Tensor | None) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens, as far as this rank sees them (its
+    context-parallel share; zeros off the last pipeline stage); the model is in eval mode."""
+    with loss_parallel() if model.loss_parallel else nullcontext():
+        if model.pipeline is not None:
+            scores = model.pipeline.score(inputs, labels, sequence_loglikelihoods)
+            return scores if scores is not None else torch.zeros(len(inputs), device=inputs.device)
+        return sequence_loglikelihoods(model.parts[0](inputs, documents), labels)
 
 
 def train_step(
@@ -331,7 +379,7 @@ def train_step(
     layers = layer_metrics.collect(loss_sum.device) if layer_metrics is not None else None  # before clipping
     # With FSDP's CPU offload the gradients and so their norm are in host memory.
     grad_norm = clip_grad_norm(optimizers, max_norm, model.pp_group).to(loss_sum.device)
-    return mean_over_ranks(model, loss_sum), grad_norm, layers
+    return over_ranks(model, loss_sum), grad_norm, layers
 
 
 @torch.no_grad()
@@ -344,7 +392,7 @@ def validation_loss(model: ModelOnRank, batches: Iterator, steps: int, grad_accu
         loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=False)
     for part in model.parts:
         part.train()
-    return (mean_over_ranks(model, loss_sum) * grad_accum_steps).item() / steps
+    return (over_ranks(model, loss_sum) * grad_accum_steps).item() / steps
 
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3

@@ -261,11 +261,25 @@ class Metrics:
 class Validation:
     enable: bool = False
     """Log the validation loss and perplexity every `freq` steps and after the last step."""
-    dataset_path: str = "tests/assets/shakespeare/validation.jsonl"
-    """A packed folder (its validation split is used) or hf files, as training.dataset_path."""
+    dataset_path: list[str] = field(default_factory=lambda: ["tests/assets/shakespeare/validation.jsonl"])
+    """Packed folders (their validation split is used) or hf files, as training.dataset_path. One
+    source is logged as val_loss; several, or one written `name=path`, each as val_loss/<name> (name:
+    the file's stem or the folder's name unless given)."""
     freq: int = 500
     steps: int = 10
     """Batches (local_batch_size x data-parallel degree windows each) from the start of the data."""
+
+
+@dataclass
+class Evaluation:
+    enable: bool = False
+    """Score the multiple-choice `tasks` (docs/evaluation.md) every `freq` steps and after the last step."""
+    tasks: list[str] = field(default_factory=list)
+    """Task files or folders, each `path` or `name=path` (name: the file's stem): JSONL, JSON, Parquet
+    or a datasets.save_to_disk folder in the HellaSwag, ARC, PIQA or generic layout."""
+    freq: int = 500
+    limit: int = 0
+    """Score the first `limit` examples of each task; 0: all of them."""
 
 
 @dataclass
@@ -311,6 +325,7 @@ class Config:
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    evaluation: Evaluation = field(default_factory=Evaluation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 

@@ -42,6 +42,11 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
         )
     if config.validation.enable and min(config.validation.freq, config.validation.steps) < 1:
         raise ConfigError("validation.freq and validation.steps must be >= 1")
+    evaluation = config.evaluation
+    if evaluation.enable and (evaluation.freq < 1 or evaluation.limit < 0 or not evaluation.tasks):
+        raise ConfigError(f"evaluation needs freq >= 1, limit >= 0 (0: all examples) and at least one task in "
+                          f"evaluation.tasks; got freq {evaluation.freq}, limit {evaluation.limit}, "
+                          f"tasks {evaluation.tasks}")
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:

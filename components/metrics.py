@@ -103,7 +103,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
                 continue
             if "loss" in record:
                 train[record["step"]] = record
-            elif "val_loss" in record:
+            elif any(key.startswith("val_loss") for key in record):
                 val[record["step"]] = record
     return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
 
@@ -175,17 +175,42 @@ class MetricsLogger:
                         self.tb.add_scalar(f"train/{key}", value, step)
         self.reset_timer()
 
-    def log_validation(self, step: int, loss: float, seconds: float) -> None:
-        """Log a validation loss; the seconds it took do not count against training throughput."""
+    def log_validation(self, step: int, losses: dict[str | None, float], seconds: float) -> None:
+        """Log the validation loss of each source (None: the one unnamed source, logged as val_loss;
+        others as val_loss/<name>); the seconds it took do not count against training throughput."""
         self.start += seconds
         if not self.is_writer:
             return
-        perplexity = math.exp(min(loss, 100.0))
-        logger.info(f"validation at step {step}: loss {loss:8.4f}  perplexity {perplexity:10.2f}  ({seconds:.1f}s)")
-        self.jsonl.write(json.dumps({"step": step, "val_loss": loss, "val_perplexity": perplexity}) + "\n")
+        record = {"step": step}
+        for name, loss in losses.items():
+            suffix = "" if name is None else f"/{name}"
+            perplexity = math.exp(min(loss, 100.0))
+            logger.info(f"validation at step {step}{' on ' + name if name else ''}: loss {loss:8.4f}  "
+                        f"perplexity {perplexity:10.2f}")
+            record |= {f"val_loss{suffix}": loss, f"val_perplexity{suffix}": perplexity}
+            if self.tb is not None:
+                self.tb.add_scalar(f"validation/loss{suffix}", loss, step)
+                self.tb.add_scalar(f"validation/perplexity{suffix}", perplexity, step)
+        logger.info(f"validation took {seconds:.1f}s")
+        self.jsonl.write(json.dumps(record) + "\n")
+
+    def log_evaluation(self, step: int, results: dict[str, dict[str, float]], seconds: float) -> None:
+        """Log each task's acc and acc_norm (eval/<task>/<metric>); the seconds it took do not count
+        against training throughput."""
+        self.start += seconds
+        if not self.is_writer:
+            return
+        record = {"step": step, "eval_seconds": seconds}
+        for task, figures in results.items():
+            logger.info(f"evaluation at step {step}: {task}  acc {figures['acc']:.4f}  acc_norm "
+                        f"{figures['acc_norm']:.4f}  ({figures['examples']} examples)")
+            record |= {f"eval/{task}/acc": figures["acc"], f"eval/{task}/acc_norm": figures["acc_norm"]}
+        logger.info(f"evaluation took {seconds:.1f}s")
+        self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
-            self.tb.add_scalar("validation/loss", loss, step)
-            self.tb.add_scalar("validation/perplexity", perplexity, step)
+            for key, value in record.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, step)
 
     def log_layers(self, step: int, layers: dict[int, dict[str, float]]) -> None:
         """Per-block statistics (components/layer_metrics.py): one metrics.jsonl record, and

@@ -179,6 +179,22 @@ class Pipeline:
             self.schedule.eval(*stage_inputs, target=target, losses=losses)
         return losses or []
 
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor,
+              score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """Forward only, with `score_fn(logits, labels)` of each micro-batch in place of the loss:
+        their concatenation on the last stage, None elsewhere."""
+        stage_inputs = [inputs] if self.has_first_stage else []
+        scores = [] if self.has_last_stage else None
+        # The schedule's loss function is fixed at construction; torch has no public way to run it
+        # with another, so its attribute is swapped for the duration of this forward.
+        loss_fn, self.schedule._loss_fn = self.schedule._loss_fn, score_fn
+        try:
+            self.schedule.eval(*stage_inputs, target=labels if self.has_last_stage else None, losses=scores,
+                               return_outputs=False)
+        finally:
+            self.schedule._loss_fn = loss_fn
+        return torch.cat(scores) if self.has_last_stage else None
+
 
 def build_pipeline(
     model_parts: list[nn.Module],

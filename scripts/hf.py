@@ -20,8 +20,6 @@ import json
 import logging
 import shutil
 import sys
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -33,16 +31,9 @@ from components.config import DTYPES, Config, ConfigError, load_config
 from components.hf import check_hf_config, read_hf_config, read_hf_weights
 from components.model_package import import_model_package
 from components.tokenizer import build_tokenizer
+from scripts.checkpoint_model import one_process
 
 logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def one_process():
-    """Silence DCP's warning that, without a process group, it assumes one process: here it should."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 # --- Export ---------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def test_missing_folder_in_a_blend(packed, tmp_path):
 def test_missing_hf_files(tmp_path):
     config = load_config(["--validation.dataset_path", str(tmp_path / "val.jsonl")])
     with pytest.raises(FileNotFoundError) as error:
-        build_validation_dataloader(config, tokenizer=None, dp_rank=0, dp_size=1)
+        build_validation_dataloader(config, tokenizer=None, dp_rank=0, dp_size=1, path=str(tmp_path / "val.jsonl"))
     assert str(error.value) == (f"validation.dataset_path: no data files at '{tmp_path / 'val.jsonl'}' "
                                 "(JSON/JSONL, text or Parquet)")
 

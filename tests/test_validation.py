@@ -29,7 +29,7 @@ def hand_validation_loss(args: list[str], checkpoint) -> float:
     model.load_state_dict(weights)
     window, needed = config.training.seq_len + 1, 2 * 4 * (config.training.seq_len + 1)
     stream = []
-    with open(REPO / config.validation.dataset_path) as f:
+    with open(REPO / config.validation.dataset_path[0]) as f:
         for line in f:
             stream += tokenizer.encode(json.loads(line)["text"], bos=True, eos=True)
             if len(stream) >= needed:
@@ -55,3 +55,25 @@ def test_bad_validation_settings_are_refused(tmp_path, train_in_process, capsys)
     args = [*TINY, "--validation.enable", "true", "--validation.steps", "0", "--job.dump_folder", str(tmp_path)]
     assert train_in_process(args) == 2
     assert "validation.freq and validation.steps must be >= 1" in capsys.readouterr().err
+
+
+def test_each_named_validation_source_gets_its_own_loss(tmp_path, train_in_process):
+    """Two sources: the one reading the default file logs the same loss as a run validating on it
+    alone, under its own name; the other source's loss differs."""
+    single = [*TINY, *VALIDATION, "--training.steps", "2"]
+    assert train_in_process([*single, "--job.dump_folder", str(tmp_path / "one")]) == 0
+    sources = "plays=tests/assets/shakespeare/validation.jsonl,tests/assets/shakespeare/train.jsonl"
+    assert train_in_process([*single, "--validation.dataset_path", sources,
+                             "--job.dump_folder", str(tmp_path / "two")]) == 0
+    record = next(m for m in metric_lines(tmp_path / "two") if "val_loss/plays" in m)
+    assert "val_loss" not in record and record["step"] == 2
+    assert record["val_loss/plays"] == val_losses(tmp_path / "one")[2]
+    assert record["val_loss/train"] != record["val_loss/plays"]
+    assert record["val_perplexity/train"] == pytest.approx(math.exp(record["val_loss/train"]))
+
+
+def test_two_validation_sources_of_one_name_are_refused(tmp_path, train_in_process, capsys):
+    sources = "tests/assets/shakespeare/validation.jsonl,validation=tests/assets/shakespeare/train.jsonl"
+    assert train_in_process([*TINY, *VALIDATION, "--validation.dataset_path", sources,
+                             "--job.dump_folder", str(tmp_path)]) == 2
+    assert "validation.dataset_path names two sources 'validation'" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from components.config import Config
+from pathlib import Path
+
+from components.config import Config, ConfigError
 from components.data.local_files import build_local_files_dataloader
 from components.data.packed import build_packed_dataloader
 from components.data.packed_format import is_packed_folder
@@ -21,10 +23,24 @@ def build_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size
                                         t.local_batch_size, dp_rank, dp_size)
 
 
-def build_validation_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int):
-    """Validation batches of this rank, from the start of `validation.dataset_path`: the validation
-    split of a packed folder, in order, or local files (as for `hf`)."""
-    t, path = config.training, config.validation.dataset_path
+def validation_sources(paths: list[str]) -> dict[str | None, str]:
+    """The named sources of validation.dataset_path ({None: path} for one unnamed source)."""
+    named = [entry.split("=", 1) if "=" in entry else (None, entry) for entry in paths]
+    if len(named) == 1 and named[0][0] is None:
+        return {None: named[0][1]}
+    sources = {}
+    for name, path in named:
+        name = name or Path(path.rstrip("/")).stem
+        if name in sources:
+            raise ConfigError(f"validation.dataset_path names two sources {name!r}; name them as name=path")
+        sources[name] = path
+    return sources
+
+
+def build_validation_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int, path: str):
+    """Validation batches of this rank, from the start of `path` (a validation.dataset_path source):
+    the validation split of a packed folder, in order, or local files (as for `hf`)."""
+    t = config.training
     if is_packed_folder(path):
         return build_packed_dataloader(
             [path], "validation", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,

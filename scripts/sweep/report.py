@@ -76,7 +76,7 @@ def summarize(train: list[dict], val: list[dict]) -> dict:
             peak_memory_gib=max(r["memory_gib"] for r in train),
         )
     if val:
-        out["final_val_loss"] = val[-1]["val_loss"]
+        out["final_val_loss"] = val[-1].get("val_loss")  # None with several named validation sources
     return out
 
 

@@ -1,0 +1,1 @@
+"""Downstream evaluation in the training loop: multiple-choice tasks scored by log-likelihood."""
