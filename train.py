@@ -34,14 +34,16 @@ from components.distributed import ParallelDims, init_distributed, set_collectiv
 from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
 from components.hf import load_hf_weights
+from components.hf_export import export
 from components.layer_metrics import LayerMetrics
 from components.layout_checks import check_supported
-from components.loss import cross_entropy_loss, sequence_loglikelihoods
+from components.loss import ZLoss, cross_entropy_loss, sequence_loglikelihoods
 from components.metrics import MetricsLogger, peak_memory_gib
 from components.model_package import import_model_package
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
 from components.preemption import EXIT_PREEMPTED, PREEMPTED_FILE, StopSignals, write_preempted_record
 from components.profiling import Profiler
+from components.run_lock import FolderInUse, die_with_launcher, lock_dump_folder, release_dump_folders
 from components.step_guard import StepGuard, TrainingStopped
 from components.tokenizer import build_tokenizer
 from models.moe import RoutingTally
@@ -78,6 +80,16 @@ def train(config: Config, signals: StopSignals) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
         torch.use_deterministic_algorithms(True)
     dump_folder = Path(config.job.dump_folder)
+    # One job per dump folder: a second one stops here, before it writes anything (components/run_lock.py).
+    in_use = [None]
+    if rank == 0:
+        try:
+            lock_dump_folder(dump_folder)
+        except FolderInUse as e:
+            in_use = [str(e)]
+    dist.broadcast_object_list(in_use, src=0)
+    if in_use[0]:
+        raise FolderInUse(in_use[0])
     # Agreeing on stop signals without a device sync: a CPU group, with the training timeout.
     stop_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.train_timeout_seconds))
     if rank == 0:
@@ -87,6 +99,8 @@ def train(config: Config, signals: StopSignals) -> int:
     tokenizer = build_tokenizer(config.model.tokenizer_path)
     model_package = import_model_package(config.model.name)
     model_args = model_package.build_model_args(config, tokenizer.vocab_size)
+    if config.checkpoint.last_save_in_hf:  # a model without a Hugging Face form fails now, not after training
+        model_package.hf_config(model_args)
     with torch.device("meta"):
         whole_model = model_package.Transformer(model_args)
     n_params = sum(p.numel() for p in whole_model.parameters())
@@ -114,7 +128,10 @@ def train(config: Config, signals: StopSignals) -> int:
                 offload_parameters(part)
         part.train()
     # Read from this module's globals at this point, so that a test can swap the loss (test_reliability.py).
-    loss_fn = cross_entropy_loss if dims.tp > 1 or not config.compile.enable else torch.compile(cross_entropy_loss)
+    compile_loss = config.compile.enable and dims.tp == 1
+    loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
+    z_loss = ZLoss(training.z_loss, device, compile_loss) if training.z_loss else None
+    loss_fn = z_loss or loss_fn
     pipeline = None
     if dims.pp > 1:
         pipeline = build_pipeline(
@@ -236,6 +253,7 @@ def train(config: Config, signals: StopSignals) -> int:
                 lr = lr_schedule.lr
                 loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
                                                      optimizers, record_layers)
+                z_loss_mean = z_loss.step_mean() if z_loss else None
                 skip = step_guard.decide(step, loss, grad_norm)
                 optimizers.step(skip=skip)
                 moe_figures, expert_load = routing.end_step(skip, metrics=log_this_step)
@@ -251,7 +269,9 @@ def train(config: Config, signals: StopSignals) -> int:
                 if log_this_step or checkpointer.due(step) or stop_now or step == training.steps:
                     skipped = step_guard.check()
                     if log_this_step:
-                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped | moe_figures)
+                        # Averaged like the loss: over_ranks is a collective, so only on steps every rank logs.
+                        z_figure = {"z_loss": over_ranks(model, z_loss_mean).item()} if z_loss else {}
+                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped | moe_figures | z_figure)
                         metrics.log_expert_load(step, expert_load)
                 if layers:
                     metrics.log_layers(step, layers)
@@ -268,6 +288,9 @@ def train(config: Config, signals: StopSignals) -> int:
     finally:
         checkpointer.close()
         metrics.close()
+    if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
+        hf_folder = dump_folder / "hf" / f"step-{training.steps}"
+        export(config, checkpointer.folder / f"step-{training.steps}", hf_folder, config.checkpoint.export_dtype)
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
     return 0
 
@@ -328,6 +351,8 @@ def forward_backward(
     with loss_parallel() if model.loss_parallel else nullcontext():
         if model.pipeline is not None:
             losses = model.pipeline.run(inputs, labels, train)
+            if isinstance(model.loss_fn, ZLoss):
+                model.loss_fn.settle(len(losses))
             if not losses:
                 return torch.zeros((), device=inputs.device)
             return torch.stack([gathered(loss) for loss in losses]).detach().sum()
@@ -401,6 +426,7 @@ used; a run stopped by its step guard (non-finite values, too many skipped steps
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         config = load_config(argv)
     except ConfigError as e:
@@ -409,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     with StopSignals() as signals:
         try:
             return train(config, signals)
-        except (ConfigError, FileNotFoundError, ValueError) as e:
+        except (ConfigError, FileNotFoundError, ValueError, FolderInUse) as e:
             return report(f"error: {e}", EXIT_BAD_INPUT)
         except TrainingStopped as e:
             return report(f"training stopped: {e}", EXIT_STOPPED)
         finally:
+            release_dump_folders()
             if dist.is_initialized():
                 dist.destroy_process_group()
 

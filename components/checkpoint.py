@@ -16,6 +16,8 @@ import random
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -34,9 +36,27 @@ from components.checkpoint_integrity import (
     listed_files,
     unused_name,
 )
-from components.config import DTYPES, Checkpoint as CheckpointConfig
+from components.config import DTYPES, Checkpoint as CheckpointConfig, ConfigError
 
 logger = logging.getLogger(__name__)
+
+LEFTOVER = re.compile(rf"({re.escape(PARTIAL_SUFFIX)}|\.deleting|\.replaced)(-\d+)?$")
+"""What an interrupted save, replacement or deletion leaves (unused_name may append -2, -3...)."""
+DAMAGED = re.compile(r"step-(\d+)\.damaged(?:-(\d+))?")
+
+
+@contextmanager
+def one_process():
+    """Silence DCP's warning that, without a process group (or with no_dist), it assumes one process:
+    here it should."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
 
 class ModelState(Stateful):
     """The weights of all model parts (pipeline stages) of this rank, keyed by parameter name as in
@@ -154,6 +174,16 @@ class CheckpointManager:
             "train_state": train_state,
             "step_guard": step_guard,
         }
+        excludable = [name for name in self.states if name != "train_state"]
+        unknown = [name for name in cfg.exclude_from_loading if name not in excludable]
+        if unknown:
+            raise ConfigError(
+                f"checkpoint.exclude_from_loading: {', '.join(map(repr, unknown))} is not a part a resume can leave "
+                f"out; choose among {', '.join(excludable)} (train_state holds the step a run resumes at: to count "
+                "from 0 again, start a new dump folder with checkpoint.initial_load_path)"
+            )
+        if cfg.last_save_in_hf and not cfg.enable:
+            raise ConfigError("checkpoint.last_save_in_hf exports the final checkpoint: it needs checkpoint.enable")
         self.pending = None
         self.last_saved = None
         self.async_kwargs = {}
@@ -179,16 +209,21 @@ class CheckpointManager:
         step-N.damaged (kept for inspection) and the next older one tried."""
         if dist.get_rank() == 0:
             self._remove_leftovers()
-        damaged = []
+        damaged, newest_intact = [], None
         for step, path in reversed(step_folders(self.folder).items()):
             problem = intact(path, self.cfg.checksums)
             if problem is None:
-                return self._resume(step, path)
+                newest_intact = step, path
+                break
             damaged.append(f"{path.name}: {problem}")
             logger.warning(f"checkpoint {path} is damaged ({problem}); skipping it")
             if dist.get_rank() == 0:
                 path.rename(unused_name(path, ".damaged"))
             dist.barrier()
+        if dist.get_rank() == 0:
+            self._bound_damaged()
+        if newest_intact is not None:
+            return self._resume(*newest_intact)
         if damaged:
             raise ValueError(
                 f"no intact checkpoint in {self.folder} ({'; '.join(damaged)}); they were renamed *.damaged. "
@@ -199,13 +234,28 @@ class CheckpointManager:
         return 0
 
     def _remove_leftovers(self) -> None:
-        """Folders of saves or deletions that a killed run left behind; never read, so removed."""
+        """Folders of saves, replacements or deletions that a killed run left behind; never read, so removed."""
         if not self.folder.is_dir():
             return
         for path in sorted(self.folder.iterdir()):
-            if path.is_dir() and path.name.endswith((PARTIAL_SUFFIX, ".deleting")):
+            if path.is_dir() and LEFTOVER.search(path.name):
                 logger.info(f"removing {path}, left by an interrupted save or deletion")
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _bound_damaged(self) -> None:
+        """Name the damaged checkpoints kept for inspection, with their sizes, and delete all but the
+        newest checkpoint.keep_damaged of them."""
+        found = sorted((path for path in self.folder.glob("step-*.damaged*") if DAMAGED.fullmatch(path.name)),
+                       key=lambda path: tuple(int(n or 1) for n in DAMAGED.fullmatch(path.name).groups()))
+        keep = max(self.cfg.keep_damaged, 0)
+        doomed, kept = found[: len(found) - keep], found[len(found) - keep:]
+        for path in doomed:
+            shutil.rmtree(path.rename(unused_name(path, ".deleting")), ignore_errors=True)
+        if kept:
+            sizes = ", ".join(f"{path.name} ({folder_bytes(path) / 2**30:.2f} GiB)" for path in kept)
+            logger.warning(f"damaged checkpoints kept for inspection in {self.folder}: {sizes}"
+                           + (f"; {len(doomed)} older one(s) deleted" if doomed else "")
+                           + f" (checkpoint.keep_damaged = {keep})")
 
     def _check_fits(self, path: Path, saved: dict) -> None:
         weights = self.states["model"].state_dict()
@@ -226,10 +276,13 @@ class CheckpointManager:
                 )
             return self._load_weights(path)
         self._check_fits(path, saved)
-        states = self.states
-        if not any(key.startswith("step_guard.") for key in saved):
+        states = {name: state for name, state in self.states.items() if name not in self.cfg.exclude_from_loading}
+        if self.cfg.exclude_from_loading:
+            logger.info(f"resuming without the checkpoint's {', '.join(self.cfg.exclude_from_loading)} "
+                        "(checkpoint.exclude_from_loading): they start afresh")
+        if "step_guard" in states and not any(key.startswith("step_guard.") for key in saved):
             logger.warning(f"{path} predates the step guard's state: its counters and spike window start empty")
-            states = {name: state for name, state in self.states.items() if name != "step_guard"}
+            states = {name: state for name, state in states.items() if name != "step_guard"}
         start = time.perf_counter()
         dcp.load(states, checkpoint_id=str(path))
         logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")

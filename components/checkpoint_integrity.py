@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import zlib
 from pathlib import Path
 
@@ -74,10 +75,13 @@ class CommittingWriter(FileSystemWriter):
             part.unlink()
         files[".metadata"] = self._describe(folder / ".metadata")
         write_json_atomically(folder / INTEGRITY_FILE, {"format": 1, "files": files})
-        if self.final.exists():  # e.g. a seed checkpoint written again: keep the old one aside
-            self.final.rename(unused_name(self.final, ".replaced"))
+        replaced = None
+        if self.final.exists():  # e.g. a seed checkpoint written again: the old one stays until the new one is in
+            replaced = self.final.rename(unused_name(self.final, ".replaced"))
         folder.rename(self.final)
         fsync_path(self.final.parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
 
 
 def check_checkpoint(path: Path, verify_checksums: bool, files_to_checksum=None) -> str | None:

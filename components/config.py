@@ -71,6 +71,9 @@ class Model:
     """Defaults to the tokenizer's vocabulary; may be set larger (e.g. padded to a multiple of 64)."""
     rope_per_document: bool = False
     """With training.document_masking: RoPE positions restart at 0 at each document."""
+    qk_norm: bool = False
+    """Llama 3: an RMSNorm over each head's queries and keys before RoPE, as in Qwen3 (which always has it):
+    bounds the attention logits, against loss spikes in long runs. Such a model has no Hugging Face Llama form."""
 
 
 @dataclass
@@ -98,14 +101,37 @@ class MoE:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
+    """AdamW for every parameter; or Muon (orthogonalised momentum) for the matrices of the transformer
+    blocks, MoE experts one by one, and AdamW for the rest: embeddings, output layer, norms, biases
+    (docs/optimizers.md)."""
     lr: float = 8e-4
+    """Peak learning rate; under Muon, of the Muon matrices (see muon_adjust_lr)."""
     eps: float = 1e-8
     weight_decay: float = 0.1
+    """Decoupled weight decay, lr x weight_decay per step; under Muon, of the Muon matrices."""
     beta1: float = 0.9
     beta2: float = 0.95
     implementation: str = "fused"
     """One of fused, foreach, for-loop. fused skips an optimizer step on the device (see
-    training.on_nonfinite); the others need a device-to-host sync per step for that."""
+    training.on_nonfinite); the others need a device-to-host sync per step for that, and so does Muon."""
+    adamw_lr: float | None = None
+    """Under Muon: the peak lr of the parameters AdamW updates; unset: lr (with muon_adjust_lr =
+    match_rms_adamw one lr suits both, as in Moonlight)."""
+    adamw_weight_decay: float | None = None
+    """Under Muon: the weight decay of the parameters AdamW updates; unset: weight_decay."""
+    muon_momentum: float = 0.95
+    """Muon's momentum: the buffer is momentum x buffer + (1 - momentum) x gradient."""
+    muon_nesterov: bool = True
+    """Orthogonalise the Nesterov look-ahead (gradient + momentum x (buffer - gradient)) rather than the buffer."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalisation."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """How Muon scales lr for an A x B matrix. match_rms_adamw: 0.2 x sqrt(max(A, B)), which gives
+    its update the RMS of a typical AdamW update (Moonlight), so that AdamW's lr and weight decay are
+    a starting point; original: sqrt(max(1, A / B)) (Keller Jordan's Muon, whose lr is ~0.02); none: lr as is."""
+    muon_ns_dtype: str = "bfloat16"
+    """dtype of the Newton-Schulz iteration and of the all-gather of sharded updates that precedes it;
+    float32 is exact across layouts (CPU tests), bfloat16 half the traffic and faster on GPUs."""
 
 
 @dataclass
@@ -162,6 +188,10 @@ class Training:
     spike_sigma: float = 6.0
     spike_window: int = 128
     """Accepted steps the spike statistics cover; the guard acts once the window is full."""
+    z_loss: float = 0.0
+    """Weight of the z-loss added to the training loss: the mean squared logsumexp of the output
+    logits, which keeps them from drifting (PaLM and OLMo use 1e-4); 0: off. Logged as z_loss
+    (unweighted) when on; the logged loss stays the cross-entropy alone."""
 
 
 @dataclass
@@ -211,6 +241,16 @@ class Checkpoint:
     export_dtype: str = "float32"
     create_seed_checkpoint: bool = False
     """Initialise the model on one process, save it as step-0 and exit."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of the checkpoint a resume leaves as they start, e.g. ["dataloader", "lr_scheduler"] to
+    resume the weights and optimizer on new data with a new schedule: any of model, optimizer,
+    lr_scheduler, dataloader, step_guard."""
+    last_save_in_hf: bool = False
+    """After the last step, also write the final checkpoint as a Hugging Face folder that transformers
+    loads, <dump_folder>/hf/step-N (in export_dtype; docs/hf.md)."""
+    keep_damaged: int = 2
+    """Damaged checkpoints (renamed step-N.damaged when a resume finds them broken) kept for
+    inspection, the newest first; older ones are deleted at start-up."""
     checksums: bool = True
     """Record a CRC32 of every checkpoint file (each rank its own files, about 1 s per GB) and
     verify them before resuming; sizes are always recorded and verified."""
@@ -335,7 +375,9 @@ class ConfigError(ValueError):
 
 
 CHOICES = {
-    "optimizer.name": ("AdamW",),
+    "optimizer.name": ("AdamW", "Muon"),
+    "optimizer.muon_adjust_lr": ("match_rms_adamw", "original", "none"),
+    "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "training.on_nonfinite": ("stop", "skip"),
     "lr_scheduler.decay_type": ("linear", "sqrt", "cosine", "constant"),

@@ -1,11 +1,13 @@
-"""The training loss, shared by train.py and the memory estimator, and the log-likelihoods evaluation
-scores choices by."""
+"""The training loss, shared by train.py and the memory estimator, the optional z-loss added to it,
+and the log-likelihoods evaluation scores choices by."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+from components.config import ConfigError
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -20,3 +22,59 @@ def sequence_loglikelihoods(logits: torch.Tensor, labels: torch.Tensor) -> torch
     if isinstance(token_losses, DTensor):
         token_losses = token_losses.full_tensor()
     return -token_losses.view(labels.shape).sum(1)
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The mean over tokens of logsumexp(logits)^2 (PaLM's z-loss), in fp32, from logits (batch, seq,
+    vocab), which may be sharded over the vocabulary (loss parallel). Written out rather than with
+    torch.logsumexp, which all-gathers a sharded vocabulary: these reductions stay on the shards, with
+    all-reduces of one value per token."""
+    logits = logits.float()
+    peak = logits.detach().amax(-1, keepdim=True)  # against overflow; the result does not depend on it
+    return ((logits - peak).exp().sum(-1, keepdim=True).log() + peak).square().mean()
+
+
+def cross_entropy_and_z_loss(logits: torch.Tensor, labels: torch.Tensor,
+                             weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy carrying the gradient of weight * z_loss, and the z-loss (detached). The value
+    of the first is the cross-entropy's bit for bit (x - x is 0), so the logged loss stays comparable
+    with runs without z-loss; a non-finite z-loss makes it NaN, which the step guard sees."""
+    z = z_loss(logits)
+    weighted = weight * z
+    return cross_entropy_loss(logits, labels) + (weighted - weighted.detach()), z.detach()
+
+
+class ZLoss:
+    """The training loss with a z-loss of `weight` (training.z_loss), called like cross_entropy_loss.
+
+    It also keeps the z-loss of every micro-batch it trains on (with gradients enabled: not validation)
+    as a tensor on the device, which `step_mean` averages once per step, so that logging it costs no
+    sync per micro-batch. Under pipeline parallelism only the last stage computes it (the others' mean
+    is 0), and `settle` drops the schedule's calls on placeholder outputs."""
+
+    def __init__(self, weight: float, device: torch.device, compile: bool = False):
+        if not weight >= 0:  # NaN too
+            raise ConfigError(f"training.z_loss must be >= 0 (0: off), got {weight}")
+        self.weight, self.device = weight, device
+        self.terms = torch.compile(cross_entropy_and_z_loss) if compile else cross_entropy_and_z_loss
+        self.pending: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss, z = self.terms(logits, labels, self.weight)
+        if torch.is_grad_enabled():
+            self.pending.append(z.full_tensor() if isinstance(z, DTensor) else z)  # replicated: no communication
+        return loss
+
+    def settle(self, real_calls: int) -> None:
+        """Keep the last `real_calls` values since the previous settle and drop the others: a pipeline
+        schedule that (re)initializes its stages (its first step, the first after an eval) first calls
+        the loss on placeholder outputs, to infer the shapes of the gradients."""
+        self.kept += self.pending[len(self.pending) - real_calls:]
+        self.pending = []
+
+    def step_mean(self) -> torch.Tensor:
+        """The mean z-loss of the micro-batches since the last call (0 where there were none)."""
+        values, self.kept = self.kept + self.pending, []
+        self.pending = []
+        return torch.stack(values).mean() if values else torch.zeros((), device=self.device)

@@ -167,6 +167,7 @@ class MetricsLogger:
                 f"tokens/s {tps:9,.0f}  {mfu}memory {record['memory_gib']:6.2f}GiB"
                 + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
                 + (f"  moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else "")
+                + (f"  z_loss {record['z_loss']:.4f}" if "z_loss" in record else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
             if self.tb is not None:

@@ -1,7 +1,7 @@
-"""AdamW over one or more model parts, and the learning-rate schedule: linear warmup, an optional
-stable phase, then decay.
+"""The optimizers of one or more model parts (AdamW, or Muon with AdamW), and the learning-rate
+schedule: linear warmup, an optional stable phase, then decay.
 
-Under pipeline parallelism a rank holds several model parts (stages); each gets its own optimizer,
+Under pipeline parallelism a rank holds several model parts (stages); each gets its own optimizers,
 and the container below makes them act as one, with a state dict keyed by parameter name so that a
 checkpoint loads under any layout."""
 
@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from components.config import LRScheduler as LRSchedulerConfig, Optimizer as OptimizerConfig
+from components.config import CHOICES, ConfigError, LRScheduler as LRSchedulerConfig, Optimizer as OptimizerConfig
+from components.muon import Muon
 
 # Flattened keys ("state.layers.0.attention.wq.weight.exp_avg") let every model part find its own
 # entries in one merged dict.
@@ -23,17 +24,18 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Optimizers(Stateful):
-    """One AdamW per model part, stepped together."""
+    """The optimizers of every model part, stepped together: one AdamW per part, or under Muon a Muon
+    for the part's block matrices and an AdamW for the rest of it."""
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig):
-        implementations = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
-        impl = implementations[cfg.implementation]
-        self.model_parts, self.fused = model_parts, cfg.implementation == "fused"
-        hyperparameters = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-        self.optimizers = [
-            torch.optim.AdamW([{"params": group} for group in by_mesh(part.parameters())], **hyperparameters, **impl)
-            for part in model_parts
-        ]
+        if cfg.name not in CHOICES["optimizer.name"]:
+            raise ConfigError(f"optimizer.name must be one of {', '.join(CHOICES['optimizer.name'])}, got {cfg.name!r}")
+        self.owners, self.optimizers = [], []  # each optimizer and the model part whose parameters it holds
+        for part in model_parts:
+            for optimizer in build_optimizers(part, cfg):
+                self.owners.append(part)
+                self.optimizers.append(optimizer)
+        self.skip_on_device = cfg.name == "AdamW" and cfg.implementation == "fused"
 
     @property
     def param_groups(self) -> list[dict]:
@@ -46,8 +48,8 @@ class Optimizers(Stateful):
     def step(self, skip: torch.Tensor | None = None) -> None:
         """One optimizer step, or none where the boolean tensor `skip` is true. The fused AdamW
         decides on the device (the `found_inf` mechanism of torch.amp.GradScaler: weights, moments
-        and step count stay as they were), the others need `skip` on the host."""
-        if skip is not None and not self.fused:
+        and step count stay as they were), the others (and Muon) need `skip` on the host."""
+        if skip is not None and not self.skip_on_device:
             if skip.item():
                 return
             skip = None
@@ -59,13 +61,55 @@ class Optimizers(Stateful):
 
     def state_dict(self) -> dict:
         merged = {}
-        for part, optimizer in zip(self.model_parts, self.optimizers):
+        for part, optimizer in zip(self.owners, self.optimizers):
             merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for part, optimizer in zip(self.model_parts, self.optimizers):
+        for part, optimizer in zip(self.owners, self.optimizers):
             set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
+
+
+def build_optimizers(part: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+    """AdamW over all of `part`; or Muon over the matrices of its blocks and AdamW over the rest."""
+    if cfg.name == "AdamW":
+        return [adamw(part.parameters(), cfg, cfg.lr, cfg.weight_decay)]
+    matrices, rest = split_for_muon(part)
+    optimizers = []
+    if matrices:
+        optimizers.append(Muon(
+            [{"params": group} for group in by_mesh(matrices)], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+            adjust_lr=cfg.muon_adjust_lr, ns_dtype=cfg.muon_ns_dtype,
+        ))
+    if rest:
+        lr = cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr
+        weight_decay = cfg.weight_decay if cfg.adamw_weight_decay is None else cfg.adamw_weight_decay
+        optimizers.append(adamw(rest, cfg, lr, weight_decay))
+    return optimizers
+
+
+def adamw(params, cfg: OptimizerConfig, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    implementations = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+    return torch.optim.AdamW([{"params": group} for group in by_mesh(params)], lr=lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, weight_decay=weight_decay, **implementations[cfg.implementation])
+
+
+def split_for_muon(part: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's parameters, AdamW's): the 2-D parameters of the transformer blocks (`part.layers`) and
+    their 3-D ones (MoE experts, one matrix per expert) go to Muon; embeddings, the output layer,
+    norms and biases to AdamW. A block parameter of more dimensions is refused, by name."""
+    in_blocks = {id(p) for p in part.layers.parameters()}
+    matrices, rest = [], []
+    for name, p in part.named_parameters():
+        if id(p) not in in_blocks or p.ndim < 2:
+            rest.append(p)
+        elif p.ndim <= 3:
+            matrices.append(p)
+        else:
+            raise ConfigError(f"optimizer.name Muon cannot update {name} of shape {tuple(p.shape)}: it takes "
+                              "matrices and stacks of matrices (the experts of an MoE layer), at most 3-D")
+    return matrices, rest
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
@@ -92,7 +136,9 @@ def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
 
 
 class LRSchedule(Stateful):
-    """Sets every param group's lr to peak lr x lr_factor(step) before each optimizer step.
+    """Sets every param group's lr to its peak lr x lr_factor(step) before each optimizer step. A
+    group's peak is the lr it was built with (under Muon, optimizer.lr for the Muon groups and
+    optimizer.adamw_lr for the AdamW ones); `peak_lr` gives the lr that is logged.
 
     Only the number of steps taken is state; the schedule itself comes from the config."""
 
@@ -105,6 +151,7 @@ class LRSchedule(Stateful):
                 f"({round(total_steps * cfg.decay_ratio)}) exceed training.steps ({total_steps})"
             )
         self.optimizers, self.total_steps, self.cfg, self.peak_lr = optimizers, total_steps, cfg, peak_lr
+        self.peak_lrs = [group["lr"] for group in optimizers.param_groups]
         self.steps_taken = 0
         self._apply()
 
@@ -114,8 +161,9 @@ class LRSchedule(Stateful):
         return self.peak_lr * lr_factor(self.steps_taken + 1, self.total_steps, self.cfg)
 
     def _apply(self) -> None:
-        for group in self.optimizers.param_groups:
-            group["lr"] = self.lr
+        factor = lr_factor(self.steps_taken + 1, self.total_steps, self.cfg)
+        for group, peak_lr in zip(self.optimizers.param_groups, self.peak_lrs):
+            group["lr"] = peak_lr * factor
 
     def step(self) -> None:
         self.steps_taken += 1

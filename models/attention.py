@@ -1,12 +1,14 @@
 """Attention kernels shared by the model families: RoPE in the rotate-half layout, causal attention
 through scaled_dot_product_attention (grouped-query when k and v have fewer heads than q), and
-document masking (FlexAttention on CUDA, a dense boolean mask elsewhere). A family's Attention module
-projects q, k, v and calls these; a fork that changes them for every family edits this file."""
+document masking (FlexAttention on CUDA, a dense boolean mask elsewhere); and the tensor-parallel plan
+of QK-norm. A family's Attention module projects q, k, v and calls these; a fork that changes them for
+every family edits this file."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import SequenceParallel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
@@ -25,6 +27,16 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     first, second = x.float().chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.type_as(x)
+
+
+def qk_norm_tensor_parallel_plan(attention: str) -> dict:
+    """Tensor-parallel plan entries for the q_norm and k_norm of the attention module named `attention`:
+    RMSNorms over each head of the (batch, seq, local heads, head_dim) output of the column-wise wq / wk.
+    SequenceParallel over dim 2 (the heads) makes their weights Replicate DTensors, whose gradients
+    DTensor sums over the tp ranks; left out of the plan, each rank would update its own copy from its
+    own heads and the copies would drift apart."""
+    return {f"{attention}.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for norm in ("q_norm", "k_norm")}
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

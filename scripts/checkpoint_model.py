@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from components.checkpoint import is_hf_folder, mismatch, saved_entries
+from components.checkpoint import is_hf_folder, mismatch, one_process, saved_entries
 from components.checkpoint_integrity import check_checkpoint
 from components.config import Config, ConfigError, load_config
 from components.hf import check_hf_config, load_hf_model, model_name_of, read_hf_config
@@ -32,15 +30,6 @@ logger = logging.getLogger(__name__)
 
 RUN_CONFIG = "config.toml"
 """What train.py writes into its dump folder: the resolved config of the run."""
-
-
-@contextmanager
-def one_process():
-    """Silence DCP's warning that, without a process group (or with no_dist), it assumes one process:
-    here it should."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def model_from_checkpoint(checkpoint: Path, overrides: list[str] | None = None, device: torch.device | str = "cpu"

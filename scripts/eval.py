@@ -34,7 +34,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--checkpoint", type=Path, required=True, help="a step-N checkpoint folder or an HF folder")
     parser.add_argument("--tasks", nargs="+", help="task files, each FILE or name=FILE (default: the run's)")
     parser.add_argument("--limit", type=int, default=0, help="first examples of each task (default 0: all)")
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward (default 8)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="rows of training.seq_len tokens per forward (default 8); shorter rows come in "
+                             "larger batches of as many tokens")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     return parser.parse_known_args(argv)

@@ -7,169 +7,25 @@
 Any other `--section.key value` is a config override, as for train.py: the config must describe the
 model of the checkpoint. docs/hf.md explains both directions.
 
-Export reads the DCP checkpoint with dcp.load in this one process (DCP reassembles tensors saved under
-any layout), one output file's worth of tensors at a time, so memory never holds more than one file.
-torch's HuggingFaceStorageWriter is not used because it writes the index from a single dcp.save call,
-which would need the whole model in memory at once.
+The export itself is components/hf_export.py, which training runs use too (checkpoint.last_save_in_hf).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from components.checkpoint import saved_entries
+from components.checkpoint import one_process
 from components.config import DTYPES, Config, ConfigError, load_config
 from components.hf import check_hf_config, read_hf_config, read_hf_weights
-from components.model_package import import_model_package
-from components.tokenizer import build_tokenizer
-from scripts.checkpoint_model import one_process
+from components.hf_export import export, model_and_args
 
 logger = logging.getLogger(__name__)
-
-
-# --- Export ---------------------------------------------------------------------------------------
-
-
-def model_and_args(config: Config):
-    """The model package, the ModelArgs of the config and its tokenizer."""
-    tokenizer = build_tokenizer(config.model.tokenizer_path)
-    package = import_model_package(config.model.name)
-    return package, package.build_model_args(config, tokenizer.vocab_size), tokenizer
-
-
-def checkpoint_shapes(checkpoint: Path, expected: dict[str, torch.Size]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """(shape, stored dtype) of every model weight of a DCP checkpoint, checked against the shapes
-    the config's model expects."""
-    if not (checkpoint / ".metadata").is_file():
-        raise FileNotFoundError(f"no DCP checkpoint at {checkpoint} (its .metadata file is missing)")
-    stored = saved_entries(checkpoint)
-    found = {}
-    for name, shape in expected.items():
-        meta = stored.get(f"model.{name}")
-        if meta is None:
-            raise ConfigError(
-                f"{checkpoint} has no weight model.{name}: is it a checkpoint of the model this config describes?"
-            )
-        if meta.size != shape:
-            raise ConfigError(f"{checkpoint}: model.{name} has shape {list(meta.size)} but the config's model expects "
-                              f"{list(shape)}: pass the config (and overrides) of the run that wrote it")
-        found[name] = (meta.size, meta.properties.dtype)
-    return found
-
-
-def plan_files(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive names in groups of at most max_bytes (a larger tensor gets a file of its own)."""
-    files, size = [[]], 0
-    for name in names:
-        if files[-1] and size + nbytes[name] > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += nbytes[name]
-    return files
-
-
-def copy_tokenizer(tokenizer_path: str | Path, output: Path) -> None:
-    """Put the tokenizer in the HF folder if transformers can load it: a tokenizer.json as is, a
-    sentencepiece model as tokenizer.model. A tiktoken file has no HF form to copy."""
-    path = Path(tokenizer_path)
-    if path.suffix == ".json":
-        shutil.copyfile(path, output / "tokenizer.json")
-        return
-    import sentencepiece
-
-    try:
-        sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError):
-        logger.info(f"{path} is not a tokenizer.json or a sentencepiece model (tiktoken?): no tokenizer written to "
-                    f"{output}; copy the HF tokenizer files (tokenizer.json, tokenizer_config.json) there yourself")
-        return
-    shutil.copyfile(path, output / "tokenizer.model")
-
-
-def export(config: Config, checkpoint: Path, output: Path, dtype: str = "float32", max_shard_gb: float = 5.0) -> None:
-    """Write the model weights of a DCP checkpoint as an HF folder (e.g. LlamaForCausalLM's)."""
-    package, args, tokenizer = model_and_args(config)
-    output.mkdir(parents=True, exist_ok=True)
-    files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
-    ids = {"bos_id": none_if_negative(tokenizer.bos_id), "eos_id": none_if_negative(tokenizer.eos_id)}
-    write_json(output / "config.json", package.hf_config(args, dtype=dtype, **ids))
-    generation = {"bos_token_id": ids["bos_id"], "eos_token_id": ids["eos_id"]}
-    write_json(output / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-    copy_tokenizer(config.model.tokenizer_path, output)
-    size = f"{total_bytes / 2**20:.1f} MiB in {dtype}"
-    logger.info(f"exported {checkpoint} to {output}: {files} safetensors file(s), {size}")
-
-
-def write_weights(
-    package: ModuleType, args, checkpoint: Path, output: Path, dtype: torch.dtype, max_bytes: int
-) -> tuple[int, int]:
-    """The weights of a DCP checkpoint as safetensors files of at most max_bytes each, with an
-    index if there are several, read from the checkpoint a file's worth at a time; returns the
-    number of files and of bytes. A file holds the HF tensors of whole ingot tensors (an MoE layer's
-    experts tensor becomes one HF tensor per expert, all in the same file)."""
-    with torch.device("meta"):
-        expected = package.Transformer(args).state_dict()
-    stored = checkpoint_shapes(checkpoint, {name: tensor.shape for name, tensor in expected.items()})
-    warn_of_routing_biases(checkpoint, stored)
-    # The ingot tensors that have HF names (not a tied output, nor ingot-only state), in the model's order.
-    exported = [name for name, tensor in expected.items() if package.to_hf({name: tensor}, args)]
-    nbytes = {name: stored[name][0].numel() * dtype.itemsize for name in exported}
-    files = plan_files(exported, nbytes, max_bytes)
-    weight_map = {}
-    for i, names in enumerate(files, start=1):
-        file_name = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
-        tensors = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
-        with one_process():
-            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), no_dist=True)
-        hf_tensors = package.to_hf(tensors, args)
-        save_safetensors({name: tensor.to(dtype) for name, tensor in hf_tensors.items()}, output / file_name)
-        weight_map |= dict.fromkeys(hf_tensors, file_name)
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-        write_json(output / "model.safetensors.index.json", index)
-    return len(files), sum(nbytes.values())
-
-
-def warn_of_routing_biases(checkpoint: Path, stored: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    """Mixture-of-experts layers trained with auxiliary-loss-free balancing (moe.bias_update_speed > 0)
-    choose experts with a routing bias that Hugging Face's MoE models do not have: exported without
-    it, the model routes some tokens elsewhere. Say so when the biases are not zero."""
-    names = [name for name in stored if name.endswith(".expert_bias")]
-    if not names:
-        return
-    biases = {name: torch.empty(stored[name][0], dtype=stored[name][1]) for name in names}
-    with one_process():
-        dcp.load({"model": biases}, checkpoint_id=str(checkpoint), no_dist=True)
-    largest = max(bias.abs().max().item() for bias in biases.values())
-    if largest > 0:
-        logger.warning(f"{checkpoint}: the experts' routing biases (moe.bias_update_speed, up to {largest:.3g}) have "
-                       "no Hugging Face counterpart and are left out, so the exported model routes some tokens "
-                       "differently; train with moe.bias_update_speed = 0 for an exact export")
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    # transformers refuses files whose metadata does not say "pt".
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
-
-
-def write_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
-def none_if_negative(token_id: int) -> int | None:
-    return None if token_id < 0 else token_id
 
 
 # --- Import ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from conftest import REPO
 from components.evaluation.tasks import LAYOUTS, Example, parse_task_spec, read_task
 
 TASK = REPO / "tests/assets/tasks/shakespeare_next_line.jsonl"
-BUILDER = REPO / "tests/assets/build_next_line_task.py"
+SHIPPED = [TASK, REPO / "tests/assets/tasks/shakespeare_word_order.jsonl"]
+BUILDER = REPO / "tests/assets/build_eval_tasks.py"
 TRAIN = REPO / "tests/assets/shakespeare/train.jsonl"
 
 HELLASWAG = {
@@ -192,20 +193,29 @@ def test_rows_and_items_are_counted_from_one(tmp_path):
     assert f"{tmp_path / 'p.json'} item 1: label 5" in error_of(tmp_path / "p.json")
 
 
-def test_the_shipped_task_has_hundreds_of_four_way_examples_with_evenly_spread_answers():
-    task = read_task(str(TASK))
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_the_shipped_task_has_hundreds_of_four_way_examples_with_evenly_spread_answers(path):
+    task = read_task(str(path))
     assert task.layout == "generic" and len(task.examples) >= 300
     assert all(len(e.choices) == 4 and e.delimiter == "" and e.context.endswith("\n") for e in task.examples)
     golds = Counter(e.gold for e in task.examples)
     assert all(abs(golds[i] - len(task.examples) / 4) < len(task.examples) / 10 for i in range(4))
 
 
-def test_the_shipped_task_is_held_out_from_the_training_split():
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_the_shipped_task_is_held_out_from_the_training_split(path):
     train = "\n\n".join(json.loads(line)["text"] for line in TRAIN.read_text(encoding="utf-8").splitlines())
-    assert [e.context for e in read_task(str(TASK)).examples if e.context in train] == []
+    assert [e.context for e in read_task(str(path)).examples if e.context in train] == []
 
 
-def test_the_build_script_regenerates_the_shipped_task_bit_for_bit(tmp_path):
-    subprocess.run([sys.executable, str(BUILDER), "--output", str(tmp_path / "task.jsonl")], check=True,
-                   capture_output=True)
-    assert (tmp_path / "task.jsonl").read_bytes() == TASK.read_bytes()
+def test_word_order_choices_hold_the_same_words_as_the_answer():
+    for example in read_task(str(SHIPPED[1])).examples:
+        answer = example.choices[example.gold]
+        assert len(set(example.choices)) == 4
+        assert all(sorted(c.split(" ")) == sorted(answer.split(" ")) for c in example.choices)
+
+
+def test_the_build_script_regenerates_the_shipped_tasks_bit_for_bit(tmp_path):
+    subprocess.run([sys.executable, str(BUILDER), "--output-dir", str(tmp_path)], check=True, capture_output=True)
+    for path in SHIPPED:
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes()

@@ -17,6 +17,7 @@ from components.evaluation.scoring import (
     IGNORE,
     Request,
     accuracies,
+    plan_batches,
     prepare_task,
     request_loglikelihoods,
     rows,
@@ -41,6 +42,18 @@ def test_a_row_scores_only_the_continuation():
     assert windows.tolist() == [[1, 20, 21, 0, 0, 0, 0], [1, 10, 11, 12, 13, 0, 0], [0] * 7]
     assert labels.tolist() == [[IGNORE, 21, IGNORE, IGNORE, IGNORE, IGNORE],
                                [IGNORE, IGNORE, 12, 13, IGNORE, IGNORE], [IGNORE] * 6]
+
+
+def test_every_rank_runs_the_same_forwards_and_each_request_is_scored_once():
+    requests = [Request(i, 0, [1] * n, 1) for i, n in enumerate([5, 70, 9, 33, 130, 12, 64, 65, 3, 200, 17])]
+    plans = [list(plan_batches(requests, rank, 3, batch_size=2, seq_len=256, multiple=64, fixed_length=False))
+             for rank in range(3)]
+    assert [[(length, count) for length, count, _ in plan] for plan in plans] == [[(256, 2), (64, 8)]] * 3
+    dealt = [r for plan in plans for _, count, batch in plan for r in batch]
+    assert sorted(dealt) == list(range(len(requests)))
+    assert all(len(batch) <= count for plan in plans for _, count, batch in plan)
+    fixed = list(plan_batches(requests, 0, 3, batch_size=2, seq_len=256, multiple=64, fixed_length=True))
+    assert [(length, count) for length, count, _ in fixed] == [(256, 2), (256, 2)]
 
 
 def test_trailing_space_moves_to_the_continuation_as_in_lm_eval():
@@ -87,7 +100,8 @@ def test_each_loglikelihood_equals_the_model_on_that_request_alone():
 
 def test_the_debug_config_lists_the_shipped_task():
     config = load_config(["--job.config_file", "debug_model.toml"])
-    assert config.evaluation.tasks == ["tests/assets/tasks/shakespeare_next_line.jsonl"]
+    assert config.evaluation.tasks == ["tests/assets/tasks/shakespeare_word_order.jsonl",
+                                       "tests/assets/tasks/shakespeare_next_line.jsonl"]
     assert not config.evaluation.enable
 
 

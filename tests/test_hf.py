@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import REPO, TINY, build_model, losses, torchrun  # noqa: E402
 
 import models.llama3 as llama  # noqa: E402
+from components import hf_export  # noqa: E402
 from components.checkpoint import ModelState  # noqa: E402
 from components.config import load_config  # noqa: E402
 from components.hf import load_hf_model, load_hf_weights, read_hf_weights  # noqa: E402
@@ -205,14 +206,14 @@ def test_published_configs_map_to_flavors_and_back():
 
 def test_export_copies_the_tokenizer_when_transformers_can_load_it(tmp_path, caplog):
     assets = REPO / "tests" / "assets" / "tokenizers"
-    converter.copy_tokenizer(assets / "mistral_v1.model", tmp_path)
+    hf_export.copy_tokenizer(assets / "mistral_v1.model", tmp_path)
     assert (tmp_path / "tokenizer.model").read_bytes() == (assets / "mistral_v1.model").read_bytes()
     (tmp_path / "mine.json").write_text("{}")
-    converter.copy_tokenizer(tmp_path / "mine.json", tmp_path)
+    hf_export.copy_tokenizer(tmp_path / "mine.json", tmp_path)
     assert (tmp_path / "tokenizer.json").read_text() == "{}"
-    caplog.set_level("INFO", logger="scripts.hf")
+    caplog.set_level("INFO", logger="components.hf_export")
     (tmp_path / "tiktoken").mkdir()
-    converter.copy_tokenizer(assets / "gpt2.tiktoken", tmp_path / "tiktoken")
+    hf_export.copy_tokenizer(assets / "gpt2.tiktoken", tmp_path / "tiktoken")
     assert not list((tmp_path / "tiktoken").iterdir()) and "no tokenizer written" in caplog.text
 
 

@@ -149,7 +149,7 @@ def test_export_warns_that_routing_biases_are_left_out(tmp_path, caplog):
     model.layers["1"].feed_forward.expert_bias.copy_(torch.linspace(-0.02, 0.02, 4))
     with converter.one_process():
         dcp.save({"model": ModelState([model])}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    caplog.set_level("WARNING", logger="scripts.hf")
+    caplog.set_level("WARNING", logger="components.hf_export")
     run_hf("export", *SMALL["moe"], "--checkpoint", tmp_path / "dcp", "--output", tmp_path / "hf")
     assert "routing biases (moe.bias_update_speed, up to 0.02)" in caplog.text
     assert "expert_bias" not in json.dumps(list(read_hf_weights(tmp_path / "hf")))

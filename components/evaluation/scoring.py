@@ -9,14 +9,14 @@ what it adds to the context's encoding; a BOS goes in front, as training documen
 (lm-eval's Hugging Face backend with add_bos_token=True). A request longer than seq_len + 1 tokens
 loses its first ones.
 
-The requests are sorted by length, dealt out to the data-parallel ranks, and run in batches of
-rows of one length (the training length under pipeline parallelism, whose stages expect the
-training shapes); every rank runs the same number of batches, padded with empty rows.
+The requests are sorted by length and dealt out to the data-parallel ranks in forwards of about the
+training batch's tokens: rows just long enough for the longest request of the forward, more rows
+when they are short (under pipeline parallelism: the training shapes, which its stages expect).
+Every rank runs the same forwards, padded with empty rows.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -75,13 +75,19 @@ def row_length(longest: int, seq_len: int, multiple: int) -> int:
     return min(length, seq_len)
 
 
-def rank_batches(requests: list[Request], dp_rank: int, dp: int, batch_size: int) -> Iterator[list[int]]:
-    """This rank's request indices in batches of at most batch_size, longest first; every rank gets
-    ceil(ceil(len(requests) / dp) / batch_size) batches, some possibly empty."""
+def plan_batches(requests: list[Request], dp_rank: int, dp: int, batch_size: int, seq_len: int, multiple: int,
+                 fixed_length: bool) -> Iterator[tuple[int, int, list[int]]]:
+    """(row length, rows, this rank's request indices) of each forward, longest requests first. Every
+    rank runs the same forwards with the same shapes: each takes the next rows x dp requests, dealt
+    out round-robin. Rows of the training length come batch_size at a time; shorter rows come in
+    larger batches of the same number of tokens."""
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r].tokens))
-    mine = order[dp_rank::dp]
-    for start in range(0, math.ceil(math.ceil(len(requests) / dp) / batch_size) * batch_size, batch_size):
-        yield mine[start:start + batch_size]
+    start = 0
+    while start < len(order):
+        length = seq_len if fixed_length else row_length(len(requests[order[start]].tokens) - 1, seq_len, multiple)
+        count = batch_size * seq_len // length
+        yield length, count, order[start:start + count * dp][dp_rank::dp]
+        start += count * dp
 
 
 def rows(requests: list[Request], batch: list[int], batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,14 +140,12 @@ def request_loglikelihoods(
     `score(windows, labels)`: each row's summed log-probability of its labelled tokens, as far as
     this rank computes it (a context-parallel share of the sequence, zeros off the last pipeline
     stage); `reduce_sum` adds a tensor up over the ranks whose shares make the whole. `multiple`
-    divides every row length (what context and tensor parallelism need); `fixed_length`: rows of
-    seq_len tokens always."""
+    divides every row length (what context and tensor parallelism need); `fixed_length`: batches of
+    batch_size rows of seq_len tokens always."""
     requests = prepared.requests
     totals = torch.zeros(len(requests), device=device)
-    for batch in rank_batches(requests, dp_rank, dp, batch_size):
-        longest = max((len(requests[r].tokens) - 1 for r in batch), default=1)
-        length = seq_len if fixed_length else row_length(longest, seq_len, multiple)
-        windows, labels = rows(requests, batch, batch_size, length)
+    for length, count, batch in plan_batches(requests, dp_rank, dp, batch_size, seq_len, multiple, fixed_length):
+        windows, labels = rows(requests, batch, count, length)
         scores = score(windows, labels)
         if batch:
             totals[torch.tensor(batch, device=device)] += scores[:len(batch)].float()

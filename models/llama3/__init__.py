@@ -53,6 +53,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
         raise ValueError(f"head dim {args.head_dim} (model.dim / model.n_heads) must be even for RoPE")
     args.max_seq_len = config.training.seq_len
     args.rope_per_document = config.model.rope_per_document
+    args.qk_norm = config.model.qk_norm
     return args
 
 

@@ -78,10 +78,19 @@ def ingot_name(name: str) -> str:
     raise KeyError(f"{name} is not a Llama weight ingot knows")
 
 
+def check_llama_form(args: ModelArgs) -> None:
+    """Refuse a model that LlamaForCausalLM cannot express: one with QK-norm (model.qk_norm)."""
+    if args.qk_norm:
+        raise ValueError("model.qk_norm: Hugging Face's LlamaForCausalLM has no QK-norm, so this model cannot be "
+                         "exported to or loaded from a Llama folder; train Qwen3 (model.name qwen3, which has "
+                         "QK-norm and a Hugging Face form) for that")
+
+
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An ingot (full or partial, e.g. one pipeline stage's) state dict under HF names. With tied
     embeddings, output.weight is the embedding matrix itself, which HF files hold once, as
     model.embed_tokens.weight."""
+    check_llama_form(args)
     return {hf_name(k): v for k, v in state_dict.items() if not (args.tie_embeddings and k == "output.weight")}
 
 
@@ -102,6 +111,7 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
 
 def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:
     """config.json of the LlamaForCausalLM equal to an ingot model with these args."""
+    check_llama_form(args)
     rope_scaling = None
     if args.use_rope_scaling:
         rope_scaling = {

@@ -1,6 +1,6 @@
 """Llama 3 as a plain nn.Module: RMSNorm, RoPE with Llama 3.1 frequency scaling (in Hugging Face's
 rotate-half layout, see Transformer), grouped-query attention through scaled_dot_product_attention,
-SwiGLU feed-forward.
+SwiGLU feed-forward; optionally QK-norm (`ModelArgs.qk_norm`).
 
 Document masking: given the document number of every token of a packed window (`document_ids`),
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
@@ -53,6 +53,8 @@ class ModelArgs:
     total number of layers."""
     rope_per_document: bool = False
     """When the forward is given document_ids: RoPE positions restart at 0 at each document."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys before RoPE (QK-norm, as in Qwen3)."""
 
     @property
     def head_dim(self) -> int:
@@ -105,7 +107,11 @@ class Attention(nn.Module):
     """Grouped-query attention. `sdpa` computes causal attention from q, k, v and may be swapped,
     e.g. by context parallelism for one that sees the keys and values of the whole sequence. Given
     a document `mask`, attention goes through `masked_attention` instead (not combined with context
-    parallelism in this version)."""
+    parallelism in this version).
+
+    With `qk_norm`, q_norm and k_norm normalize each head's queries and keys before RoPE; they exist
+    only then, so that the state dict of a model without them is unchanged. They act on whole heads,
+    which tensor parallelism keeps whole; parallelize.py has their gradients summed over the tp ranks."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -117,11 +123,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.qk_norm = args.qk_norm
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+        if self.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
@@ -130,6 +143,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.sdpa(q, k, v) if mask is None else masked_attention(q, k, v, mask)

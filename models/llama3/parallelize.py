@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
+from models.attention import qk_norm_tensor_parallel_plan
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel
@@ -38,7 +39,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     Activations between blocks are sharded along the sequence (Shard(1)); attention and the MLP
     all-gather them, split their heads / hidden units over the ranks (column-wise in, row-wise out)
     and reduce-scatter back to sequence shards. The output layer leaves logits sharded over the
-    vocabulary (Shard(-1)) for a loss computed without gathering them (loss parallel)."""
+    vocabulary (Shard(-1)) for a loss computed without gathering them (loss parallel). QK-norm's weights
+    are replicated, their gradients summed over the ranks (models/attention.py)."""
     if float8_comm:
         # The blocks' all-gathers then move float8 rather than bf16 activations.
         from torchao.float8.float8_tensor_parallel import (
@@ -71,6 +73,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{block}.feed_forward.w2": Rowwise(output_layouts=Shard(1)),
             f"{block}.feed_forward.w3": Colwise(),
         }
+        if model.args.qk_norm:
+            plan |= qk_norm_tensor_parallel_plan(f"{block}.attention")
     return plan
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
+from models.attention import qk_norm_tensor_parallel_plan
 from models.moe import MoE
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
@@ -42,10 +43,8 @@ def check_tp_fits(model: nn.Module, tp: int) -> None:
 def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output), plus:
 
-    - q_norm / k_norm get the (batch, seq, local heads, head_dim) output of the column-wise wq / wk.
-      SequenceParallel over dim 2 (the heads) makes their weights Replicate DTensors, whose gradients
-      DTensor sums over the tp ranks; left out of the plan, each rank would update its own copy from
-      its own heads and the copies would drift apart.
+    - the QK-norms, whose weights are replicated and their gradients summed over the tp ranks, which
+      hold different heads (models/attention.py, qk_norm_tensor_parallel_plan).
     - an MoE feed-forward routes this rank's sequence shard through whole experts."""
     if float8_comm:
         # The blocks' all-gathers then move float8 rather than bf16 activations.
@@ -72,8 +71,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{prefix}.attention.wq": Colwise(),
             f"{prefix}.attention.wk": Colwise(),
             f"{prefix}.attention.wv": Colwise(),
-            f"{prefix}.attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            f"{prefix}.attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            **qk_norm_tensor_parallel_plan(f"{prefix}.attention"),
             f"{prefix}.attention.wo": Rowwise(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
         }

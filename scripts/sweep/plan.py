@@ -120,7 +120,9 @@ def run_names(override_sets: list[dict[str, object]], explicit: list[str | None]
     return names
 
 
-def _resolve_base(value: str, sweep_path: Path) -> Path:
+def resolve_base(value: str, sweep_path: Path) -> Path:
+    """A base config named in a sweep (or ladder) file: a path from here, from the repository root or
+    from the file's folder, or a bare name in train_configs/."""
     for candidate in (Path(value), REPO_ROOT / value, sweep_path.parent / value):
         if candidate.is_file():
             return candidate.resolve()
@@ -195,7 +197,7 @@ def read_sweep(sweep_path: str | Path, output: str | Path | None = None) -> Swee
         raise SweepError(f"cannot parse {sweep_path}: {e}") from None
     if "base_config" not in data or not isinstance(data["base_config"], str):
         raise SweepError(f"{sweep_path}: base_config = \"path/to/config.toml\" is required")
-    base = _resolve_base(data["base_config"], sweep_path)
+    base = resolve_base(data["base_config"], sweep_path)
     nproc = data.get("nproc_per_run", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise SweepError(f"{sweep_path}: nproc_per_run must be a positive integer, got {nproc!r}")
