@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Launch train.py with torchrun on this machine.
+# Launch train.py with torchrun on this machine, through components/launch.py: it exits with the workers' own
+# status (0; 2 bad config or input; 3 stopped by the step guard; 75 preempted after a checkpoint; the worst one
+# when ranks differ; see docs/reliability.md) and shows a failure once, from the rank that failed first.
 #   NGPU         processes on this node (default: the number of CUDA GPUs, or 1 without CUDA)
 #   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml); a later
 #                --job.config_file on the command line wins
@@ -17,4 +19,7 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
-exec torchrun --standalone --nproc_per_node "$NGPU" "$(dirname "$0")/train.py" --job.config_file "$CONFIG_FILE" "$@"
+ROOT=$(dirname "$0")
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec python -m components.launch --standalone --nproc_per_node "$NGPU" "$ROOT/train.py" \
+  --job.config_file "$CONFIG_FILE" "$@"

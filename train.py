@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -35,14 +36,16 @@ from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
 from components.hf import load_hf_weights
 from components.hf_export import export
+from components.launch import EXIT_BAD_INPUT, EXIT_STOPPED, report_failure, run_worker
 from components.layer_metrics import LayerMetrics
 from components.layout_checks import check_supported
 from components.loss import ZLoss, cross_entropy_loss, sequence_loglikelihoods
-from components.metrics import MetricsLogger, peak_memory_gib
+from components.metrics import MetricsLogger, peak_memory_gib, slow_step_warning
 from components.model_package import import_model_package
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
 from components.preemption import EXIT_PREEMPTED, PREEMPTED_FILE, StopSignals, write_preempted_record
 from components.profiling import Profiler
+from components.resume import check_resume, run_record
 from components.run_lock import FolderInUse, die_with_launcher, lock_dump_folder, release_dump_folders
 from components.step_guard import StepGuard, TrainingStopped
 from components.tokenizer import build_tokenizer
@@ -92,8 +95,6 @@ def train(config: Config, signals: StopSignals) -> int:
         raise FolderInUse(in_use[0])
     # Agreeing on stop signals without a device sync: a CPU group, with the training timeout.
     stop_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.train_timeout_seconds))
-    if rank == 0:
-        logger.info(f"config written to {dump_config(config, dump_folder)}")
 
     # --- Tokenizer and model, built on the meta device (no memory) ---------------------------
     tokenizer = build_tokenizer(config.model.tokenizer_path)
@@ -104,6 +105,24 @@ def train(config: Config, signals: StopSignals) -> int:
     with torch.device("meta"):
         whole_model = model_package.Transformer(model_args)
     n_params = sum(p.numel() for p in whole_model.parameters())
+    matmul_dtype = "float8" if config.float8.enable else training.mixed_precision_param
+
+    # --- Whether this config may resume the folder's checkpoint; the first step's cost --------
+    record = run_record(config, plan.global_batch, world_size, dims.describe())
+    refused = [None]
+    if rank == 0 and not config.checkpoint.create_seed_checkpoint:
+        try:
+            check_resume(config, dump_folder, get_model_state_dict(whole_model), record)
+        except ConfigError as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0]:
+        raise ConfigError(refused[0])
+    step_flops = model_args.flops_per_token(training.seq_len) * plan.tokens_per_step
+    slow = slow_step_warning(step_flops / world_size, device, config.metrics.peak_flops, matmul_dtype) \
+        if rank == 0 else None
+    if slow:
+        logger.warning(slow)
 
     # --- Split into pipeline stages, parallelize, then initialize -----------------------------
     # DTensor draws random numbers layout-independently only on CUDA-like devices. Elsewhere the
@@ -171,10 +190,12 @@ def train(config: Config, signals: StopSignals) -> int:
     checkpointer = CheckpointManager(
         config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
         training.steps, device, load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
+        run_record=record,
     )
     if config.checkpoint.create_seed_checkpoint:
         if world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
+        logger.info(f"config written to {dump_config(config, dump_folder, 0)}")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
         return 0
     start_step = checkpointer.load()
@@ -184,10 +205,12 @@ def train(config: Config, signals: StopSignals) -> int:
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
         return 0
+    if rank == 0:  # only now: a launch refused at start-up leaves the folder as it was
+        logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
 
     metrics = MetricsLogger(
         dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0,
-        to_toml(config), matmul_dtype="float8" if config.float8.enable else training.mixed_precision_param,
+        to_toml(config), matmul_dtype=matmul_dtype,
         resume_step=start_step,
     )
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
@@ -420,18 +443,12 @@ def validation_loss(model: ModelOnRank, batches: Iterator, steps: int, grad_accu
     return (over_ranks(model, loss_sum) * grad_accum_steps).item() / steps
 
 
-EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3
-"""Exit statuses besides 0, 1 (a crash) and EXIT_PREEMPTED (75): a config or input that cannot be
-used; a run stopped by its step guard (non-finite values, too many skipped steps)."""
-
-
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         config = load_config(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report(f"config error: {e}", EXIT_BAD_INPUT)
     with StopSignals() as signals:
         try:
             return train(config, signals)
@@ -446,11 +463,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(message: str, status: int) -> int:
-    """One line in the log and on stderr (which torchrun shows per rank)."""
-    logger.error(message)
-    print(message, file=sys.stderr)
+    """One line, once: on stderr, or to components/launch.py, which shows the first failing rank's."""
+    report_failure(message)
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_worker(main))

@@ -11,6 +11,7 @@ resumes from the newest intact one; otherwise it may start from the weights in
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -43,6 +45,13 @@ logger = logging.getLogger(__name__)
 LEFTOVER = re.compile(rf"({re.escape(PARTIAL_SUFFIX)}|\.deleting|\.replaced)(-\d+)?$")
 """What an interrupted save, replacement or deletion leaves (unused_name may append -2, -3...)."""
 DAMAGED = re.compile(r"step-(\d+)\.damaged(?:-(\d+))?")
+RUN_RECORD = "run.json"
+"""In every checkpoint: the resolved config that wrote it and what the config leaves implicit (components/resume.py)."""
+MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (\S+)\.$")
+SIZE_MISMATCH = re.compile(r"Size mismatch between saved (.+) and current: (.+) for (\S+)$")
+WRITTEN_BY = {"dataloader": "the other training.dataset kind", "optimizer": "another optimizer.name",
+              "step_guard": "another training.spike_window", "lr_scheduler": "another version"}
+"""The parts a resume may leave out, and what usually wrote one that this run's state cannot read."""
 
 
 @contextmanager
@@ -157,13 +166,34 @@ def is_model_only(saved: dict) -> bool:
     return not any(key.startswith("train_state.") for key in saved)
 
 
+def unreadable_part(path: Path, error: CheckpointException) -> ConfigError | None:
+    """A DCP load that failed because a part of the checkpoint that a resume may leave out lacks a key
+    of this run's state or holds it in another shape, as a clear error naming the part and the ways on;
+    None for any other failure."""
+    for exception, _ in error.failures.values():
+        missing, resized = MISSING_KEY.search(str(exception)), SIZE_MISMATCH.search(str(exception))
+        key = missing.group(1) if missing else resized.group(3) if resized else ""
+        part = key.partition(".")[0]
+        if part in WRITTEN_BY:
+            detail = (f"it has no {key}" if missing else
+                      f"its {key} has shape {resized.group(1)}, this run's {resized.group(2)}")
+            return ConfigError(
+                f"{path} does not fit this run's {part} state: {detail} (written e.g. by {WRITTEN_BY[part]}). "
+                f"Resume without it with --checkpoint.exclude_from_loading {part}, or start anew: a new "
+                "--job.dump_folder, or --checkpoint.fresh_start true"
+            )
+    return None
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model_parts: list[nn.Module], optimizers: Stateful,
                  lr_schedule: Stateful, dataloader, train_state: TrainState, step_guard: Stateful, total_steps: int,
-                 device: torch.device, load_hf: Callable[[Path], None]):
+                 device: torch.device, load_hf: Callable[[Path], None], run_record: dict | None = None):
         """`load_hf(path)` loads the weights of a Hugging Face folder into the model parts
-        (components.hf.load_hf_weights), for an initial_load_path that is one."""
+        (components.hf.load_hf_weights), for an initial_load_path that is one. `run_record` is written
+        into every checkpoint as run.json."""
         self.cfg, self.total_steps = cfg, total_steps
+        self.extra_files = {RUN_RECORD: json.dumps(run_record, indent=1)} if run_record else {}
         self.load_hf = load_hf
         self.folder = dump_folder / cfg.folder
         self.states = {
@@ -284,7 +314,10 @@ class CheckpointManager:
             logger.warning(f"{path} predates the step guard's state: its counters and spike window start empty")
             states = {name: state for name, state in states.items() if name != "step_guard"}
         start = time.perf_counter()
-        dcp.load(states, checkpoint_id=str(path))
+        try:
+            dcp.load(states, checkpoint_id=str(path))
+        except CheckpointException as e:
+            raise unreadable_part(path, e) or e from None
         logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
         self.last_saved = step
         return self.states["train_state"].step
@@ -312,7 +345,7 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             shutil.rmtree(str(final) + PARTIAL_SUFFIX, ignore_errors=True)
         dist.barrier()
-        return CommittingWriter(final, self.cfg.checksums)
+        return CommittingWriter(final, self.cfg.checksums, self.extra_files)
 
     def save_seed(self) -> Path:
         """The freshly initialised weights as step-0, for runs that must start from identical weights."""

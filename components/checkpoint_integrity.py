@@ -46,10 +46,10 @@ def unused_name(path: Path, suffix: str) -> Path:
 
 class CommittingWriter(FileSystemWriter):
     """A DCP FileSystemWriter into `<final>.partial` that, once the save is complete on every rank,
-    records integrity.json and renames the folder to `final`."""
+    writes `extra_files` (name -> text), records integrity.json and renames the folder to `final`."""
 
-    def __init__(self, final: Path, checksums: bool):
-        self.final, self.checksums = Path(final), checksums
+    def __init__(self, final: Path, checksums: bool, extra_files: dict[str, str] | None = None):
+        self.final, self.checksums, self.extra_files = Path(final), checksums, extra_files or {}
         super().__init__(str(self.final) + PARTIAL_SUFFIX)
 
     def write_data(self, plan, planner):
@@ -73,7 +73,10 @@ class CommittingWriter(FileSystemWriter):
         for part in sorted(folder.glob(f"__*_{INTEGRITY_FILE}")):
             files.update(json.loads(part.read_text()))
             part.unlink()
-        files[".metadata"] = self._describe(folder / ".metadata")
+        for name, text in self.extra_files.items():
+            (folder / name).write_text(text)
+        for name in [".metadata", *self.extra_files]:
+            files[name] = self._describe(folder / name)
         write_json_atomically(folder / INTEGRITY_FILE, {"format": 1, "files": files})
         replaced = None
         if self.final.exists():  # e.g. a seed checkpoint written again: the old one stays until the new one is in

@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -74,6 +75,14 @@ class Model:
     qk_norm: bool = False
     """Llama 3: an RMSNorm over each head's queries and keys before RoPE, as in Qwen3 (which always has it):
     bounds the attention logits, against loss spikes in long runs. Such a model has no Hugging Face Llama form."""
+    mup: bool = False
+    """Llama 3: the maximal-update parametrization (µP, docs/mup.md), so that an lr tuned at width
+    mup_base_dim carries over to wider models: with m = dim / mup_base_dim, the block matrices' init std
+    is divided by sqrt(m) and their AdamW lr by m, and the logits by m. Such a model has no Hugging Face
+    Llama form."""
+    mup_base_dim: int = 256
+    """Under mup: the width (model.dim) at which µP is the standard parametrization, the width whose
+    tuned lr is reused."""
 
 
 @dataclass
@@ -235,7 +244,8 @@ class Checkpoint:
     """Keep only the newest k checkpoints; 0 keeps all."""
     initial_load_path: str = ""
     """A checkpoint folder to start from when the dump folder has none (weights only): a DCP
-    checkpoint, or a Hugging Face model folder (config.json and *.safetensors, see docs/hf.md)."""
+    checkpoint, or a Hugging Face model folder (config.json and *.safetensors, see docs/hf.md). Where
+    the dump folder has one, that one wins and the run says so (see fresh_start)."""
     last_save_model_only: bool = False
     """The final checkpoint holds only the model weights, in export_dtype."""
     export_dtype: str = "float32"
@@ -254,6 +264,11 @@ class Checkpoint:
     checksums: bool = True
     """Record a CRC32 of every checkpoint file (each rank its own files, about 1 s per GB) and
     verify them before resuming; sizes are always recorded and verified."""
+    fresh_start: bool = False
+    """Start at step 1 although the dump folder holds a checkpoint (e.g. one of another model shape): the earlier
+    run's checkpoints, metrics.jsonl, TensorBoard events and config.toml are moved, not deleted, to
+    <dump_folder>/set_aside/<time>/. A relaunch of the fresh run (a requeue with the same command) resumes the
+    checkpoints it wrote (docs/checkpointing.md)."""
 
 
 @dataclass
@@ -396,6 +411,85 @@ CHOICES = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: from `low` up to `high` (either end left open by `open_low` or
+    `open_high`; None: no bound), plus the sentinels in `also` (e.g. -1: derived). Floats must be finite."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    also: tuple[int, ...] = ()
+    note: str = ""
+    """What a special value means, e.g. "0: off"."""
+
+    def allows(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.open_low else '['}{self.low}, {self.high}{')' if self.open_high else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.open_low else '>='} {self.low}"
+        else:
+            text = f"{'<' if self.open_high else '<='} {self.high}"
+        text += "".join(f" or {value}" for value in self.also)
+        return text + (f" ({self.note})" if self.note else "")
+
+
+COUNT, OFF_AT_0, POSITIVE = Range(1), Range(0, note="0: off"), Range(0, open_low=True)
+NON_NEGATIVE, FRACTION, DECAY = Range(0), Range(0, 1), Range(0, 1, open_high=True)
+RANGES = {
+    "model.n_layers": COUNT, "model.dim": COUNT, "model.n_heads": COUNT, "model.n_kv_heads": COUNT,
+    "model.multiple_of": COUNT, "model.ffn_dim_multiplier": POSITIVE, "model.ffn_dim": COUNT,
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Range(1),
+    "model.vocab_size": COUNT, "model.mup_base_dim": COUNT,
+    "moe.num_experts": COUNT, "moe.top_k": COUNT, "moe.hidden_dim": COUNT, "moe.bias_update_speed": OFF_AT_0,
+    "moe.aux_loss_coef": NON_NEGATIVE, "moe.z_loss_coef": NON_NEGATIVE,
+    "optimizer.lr": NON_NEGATIVE, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
+    "optimizer.beta1": DECAY, "optimizer.beta2": DECAY, "optimizer.adamw_lr": NON_NEGATIVE,
+    "optimizer.adamw_weight_decay": NON_NEGATIVE, "optimizer.muon_momentum": DECAY, "optimizer.muon_ns_steps": COUNT,
+    "lr_scheduler.warmup_steps": NON_NEGATIVE, "lr_scheduler.decay_ratio": FRACTION,
+    "lr_scheduler.min_lr_factor": FRACTION,
+    "training.steps": COUNT, "training.seq_len": COUNT, "training.local_batch_size": COUNT,
+    "training.global_batch_size": Range(1, also=(-1,), note="-1: local x data-parallel degree"),
+    "training.max_norm": OFF_AT_0, "training.seed": NON_NEGATIVE, "training.dataloader_workers": NON_NEGATIVE,
+    "training.max_skipped_steps": Range(0, also=(-1,), note="-1: no limit"),
+    "training.spike_sigma": POSITIVE, "training.spike_window": Range(2), "training.z_loss": OFF_AT_0,
+    "parallelism.data_parallel_replicate_degree": COUNT,
+    "parallelism.data_parallel_shard_degree": Range(1, also=(-1,), note="-1: what the other degrees leave"),
+    "parallelism.tensor_parallel_degree": COUNT, "parallelism.pipeline_parallel_degree": COUNT,
+    "parallelism.context_parallel_degree": COUNT, "parallelism.expert_parallel_degree": COUNT,
+    "parallelism.pipeline_parallel_microbatch_size": COUNT, "parallelism.pipeline_parallel_layers_per_stage": COUNT,
+    "checkpoint.interval": COUNT, "checkpoint.keep_latest_k": Range(0, note="0: keep all"),
+    "checkpoint.keep_damaged": NON_NEGATIVE,
+    "metrics.log_freq": COUNT, "metrics.peak_flops": Range(0, note="0: from the table of known GPUs"),
+    "validation.freq": COUNT, "validation.steps": COUNT,
+    "evaluation.freq": COUNT, "evaluation.limit": Range(0, note="0: all examples"),
+    "profiling.profile_freq": COUNT, "profiling.profiler_warmup": NON_NEGATIVE, "profiling.profiler_active": COUNT,
+    "comm.init_timeout_seconds": COUNT, "comm.train_timeout_seconds": COUNT,
+    "comm.trace_buf_size": Range(0, note="0: no flight recorder"),
+}
+"""The allowed range of every numeric key, checked by load_config once the file and overrides are applied."""
+
+
+def check_ranges(config: Config) -> None:
+    """Refuse the first numeric key whose value (when set) is out of its range, naming both."""
+    for key, allowed in RANGES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and not allowed.allows(value):
+            finite = "" if math.isfinite(value) else "finite and "
+            raise ConfigError(f"{key} must be {finite}{allowed.describe()}, got {value!r}")
+
+
 def field_types(section_cls) -> dict[str, object]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
@@ -526,6 +620,7 @@ def load_config(argv: list[str] | None = None) -> Config:
     for key, value in overrides:
         if key != "job.config_file":
             _set(config, key, value)
+    check_ranges(config)
     return config
 
 
@@ -566,11 +661,17 @@ def git_commit() -> str:
     return commit + (" (uncommitted changes)" if dirty else "")
 
 
-def dump_config(config: Config, folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+def dump_config(config: Config, folder: Path, start_step: int) -> Path:
+    """Write the resolved config to <folder>/config.toml, the latest launch's, and a copy that stays,
+    configs/launch-<n>-<time>.toml, so that the folder keeps the history of its launches."""
+    history = folder / "configs"
+    history.mkdir(parents=True, exist_ok=True)
+    launch, started = len(list(history.glob("launch-*.toml"))) + 1, time.strftime("%Y%m%d-%H%M%S")
+    text = (f"# git commit: {git_commit()}\n# command: {' '.join(sys.argv)}\n"
+            f"# launch {launch} at {started}, training from step {start_step + 1}\n\n{to_toml(config)}")
+    (history / f"launch-{launch:04d}-{started}.toml").write_text(text)
     path = folder / "config.toml"
-    header = f"# git commit: {git_commit()}\n# command: {' '.join(sys.argv)}\n\n"
-    path.write_text(header + to_toml(config))
+    path.write_text(text)
     return path
 
 
@@ -584,7 +685,8 @@ def markdown_reference() -> str:
         "",
         "Generated by `python -m components.config --markdown > docs/configuration.md`; a test keeps it in step.",
         "Every key is set in a TOML file under `train_configs/` (`[section]` then `key = value`) or on the",
-        "command line as `--section.key value`.",
+        "command line as `--section.key value`. A numeric key's allowed range is checked at start-up: a value",
+        "out of it stops the run (exit 2) with one line naming the key, the value and the range.",
         "",
     ]
     for section, cls in SECTIONS.items():
@@ -602,6 +704,8 @@ def markdown_reference() -> str:
             meaning = docs.get(name, "")
             if f"{section}.{name}" in CHOICES and "One of" not in meaning:
                 meaning = (meaning + " One of " + ", ".join(CHOICES[f"{section}.{name}"]) + ".").strip()
+            if f"{section}.{name}" in RANGES:
+                meaning = (meaning + " Allowed: " + RANGES[f"{section}.{name}"].describe() + ".").strip()
             out.append(f"| `{section}.{name}` | {type_name} | `{shown}` | {meaning} |")
         out.append("")
     return "\n".join(out)

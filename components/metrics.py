@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from components.config import DTYPES
+
 logger = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s (no sparsity) of the GPUs we know by the dtype of the matmuls, matched against
@@ -52,6 +54,43 @@ def peak_flops(device: torch.device, configured: float, dtype: str = "bfloat16")
             dtype = dtype if dtype in by_dtype else "bfloat16"
             return by_dtype[dtype] * 1e12, f"{name} {dtype} datasheet"
     return None, f"no MFU on {name!r}: its peak FLOP/s is not in the table; set metrics.peak_flops for one"
+
+
+SLOW_STEP_SECONDS = 180
+FAST_CPU_FLOPS = 5e12
+"""More FLOP/s than a CPU's matmuls reach: a step under SLOW_STEP_SECONDS at this rate needs no measurement."""
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of an n x n matmul on `device`, measured now. Filled with a constant, not random numbers,
+    so that the run's random stream (its initial weights) stays the same."""
+    a = torch.full((n, n), 0.5, device=device, dtype=dtype)
+    a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return repeats * 2 * n**3 / (time.perf_counter() - start)
+
+
+def slow_step_warning(flops_per_device: float, device: torch.device, configured: float, dtype: str) -> str | None:
+    """A warning when one optimizer step of `flops_per_device` would take more than SLOW_STEP_SECONDS at the
+    device's peak: its datasheet's or metrics.peak_flops, else a matmul measured now. The measured figure
+    serves this estimate only, never MFU (see peak_flops); the estimate is a lower bound."""
+    peak, source = peak_flops(device, configured, dtype)
+    if peak is None:
+        if device.type == "cpu" and flops_per_device < SLOW_STEP_SECONDS * FAST_CPU_FLOPS:
+            return None
+        peak, source = matmul_flops(device, DTYPES.get(dtype, torch.bfloat16)), "a matmul measured at start-up"
+    seconds = flops_per_device / peak
+    if seconds <= SLOW_STEP_SECONDS:
+        return None
+    return (f"one optimizer step will take at least {seconds / 60:,.0f} minutes: {flops_per_device:.2e} FLOPs per "
+            f"device at {peak / 1e12:.2f} TFLOP/s ({source}); shorten training.seq_len or the batch, or use a "
+            "smaller model")
 
 
 def peak_rss_bytes() -> int:

@@ -1,5 +1,5 @@
-"""The optimizers of one or more model parts (AdamW, or Muon with AdamW), and the learning-rate
-schedule: linear warmup, an optional stable phase, then decay.
+"""The optimizers of one or more model parts (AdamW, or Muon with AdamW), their per-group learning
+rates under µP, and the learning-rate schedule: linear warmup, an optional stable phase, then decay.
 
 Under pipeline parallelism a rank holds several model parts (stages); each gets its own optimizers,
 and the container below makes them act as one, with a state dict keyed by parameter name so that a
@@ -71,34 +71,62 @@ class Optimizers(Stateful):
 
 
 def build_optimizers(part: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
-    """AdamW over all of `part`; or Muon over the matrices of its blocks and AdamW over the rest."""
+    """AdamW over all of `part`; or Muon over the matrices of its blocks and AdamW over the rest.
+
+    Under µP (a width multiplier m, see mup_width) the block matrices run at a lower peak lr: AdamW's
+    lr / m, Muon's lr x muon_mup_scale(m, ...); everything else at the configured lr (docs/mup.md)."""
+    width = mup_width(part)
     if cfg.name == "AdamW":
-        return [adamw(part.parameters(), cfg, cfg.lr, cfg.weight_decay)]
-    matrices, rest = split_for_muon(part)
+        if width is None:
+            return [adamw([(list(part.parameters()), cfg.lr)], cfg, cfg.weight_decay)]
+        matrices, rest = split_matrices(part)
+        return [adamw([(matrices, cfg.lr / width), (rest, cfg.lr)], cfg, cfg.weight_decay)]
+    matrices, rest = split_matrices(part)
     optimizers = []
     if matrices:
+        lr = cfg.lr if width is None else cfg.lr * muon_mup_scale(width, cfg.muon_adjust_lr)
         optimizers.append(Muon(
-            [{"params": group} for group in by_mesh(matrices)], lr=cfg.lr, weight_decay=cfg.weight_decay,
+            [{"params": group} for group in by_mesh(matrices)], lr=lr, weight_decay=cfg.weight_decay,
             momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
             adjust_lr=cfg.muon_adjust_lr, ns_dtype=cfg.muon_ns_dtype,
         ))
     if rest:
         lr = cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr
         weight_decay = cfg.weight_decay if cfg.adamw_weight_decay is None else cfg.adamw_weight_decay
-        optimizers.append(adamw(rest, cfg, lr, weight_decay))
+        optimizers.append(adamw([(rest, lr)], cfg, weight_decay))
     return optimizers
 
 
-def adamw(params, cfg: OptimizerConfig, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(params_and_lrs: list[tuple[list[nn.Parameter], float]], cfg: OptimizerConfig,
+          weight_decay: float) -> torch.optim.AdamW:
+    """One AdamW over lists of parameters, each with its own peak lr (the first is the default)."""
     implementations = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW([{"params": group} for group in by_mesh(params)], lr=lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, weight_decay=weight_decay, **implementations[cfg.implementation])
+    groups = [{"params": group, "lr": lr} for params, lr in params_and_lrs for group in by_mesh(params)]
+    return torch.optim.AdamW(groups, lr=params_and_lrs[0][1], betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=weight_decay, **implementations[cfg.implementation])
 
 
-def split_for_muon(part: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's parameters, AdamW's): the 2-D parameters of the transformer blocks (`part.layers`) and
-    their 3-D ones (MoE experts, one matrix per expert) go to Muon; embeddings, the output layer,
-    norms and biases to AdamW. A block parameter of more dimensions is refused, by name."""
+def mup_width(part: nn.Module) -> float | None:
+    """The width multiplier m = dim / model.mup_base_dim of a µP model part (models/llama3: ModelArgs.mup_width);
+    None under the standard parametrization, and for model families without µP (which refuse model.mup)."""
+    args = getattr(part, "args", None)
+    return args.mup_width if getattr(args, "mup_base_dim", None) else None
+
+
+def muon_mup_scale(width: float, adjust_lr: str) -> float:
+    """What µP multiplies Muon's lr by at width multiplier m. µP asks of a hidden matrix's update a
+    spectral norm independent of width (for the ratios of fan-out to fan-in that hold as the width
+    grows). An orthogonalised update has spectral norm 1, so under `original` (sqrt(max(1, A/B)))
+    and `none` the lr is already width-free; `match_rms_adamw` multiplies it by 0.2 x sqrt(max(A, B)),
+    which grows as sqrt(m): divide by sqrt(m) (the AdamW-like RMS is then that of the base width's)."""
+    return width**-0.5 if adjust_lr == "match_rms_adamw" else 1.0
+
+
+def split_matrices(part: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the block matrices, the rest): the 2-D parameters of the transformer blocks (`part.layers`)
+    and their 3-D ones (MoE experts, one matrix per expert), which Muon updates and µP scales as hidden
+    weights; and embeddings, the output layer, norms and biases (AdamW's, at the configured lr). A
+    block parameter of more dimensions is refused, by name (Muon could not update it)."""
     in_blocks = {id(p) for p in part.layers.parameters()}
     matrices, rest = [], []
     for name, p in part.named_parameters():

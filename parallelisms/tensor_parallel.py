@@ -8,14 +8,45 @@ gets which style; the functions here apply such a plan."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
-    """Apply a `{submodule name: ParallelStyle}` plan to `module` over the tp mesh."""
-    return parallelize_module(module, tp_mesh, plan)
+    """Apply a `{submodule name: ParallelStyle}` plan to `module` over the tp mesh.
+
+    Every module of the plan then hands on plain tensors rather than the AsyncCollectiveTensor that
+    DTensor's asynchronous redistribution leaves (see `_WaitCollective`)."""
+    parallelize_module(module, tp_mesh, plan)
+    for name in plan:
+        module.get_submodule(name).register_forward_hook(_wait_collective_output)
+    return module
+
+
+class _WaitCollective(torch.autograd.Function):
+    """Identity that waits for an AsyncCollectiveTensor and returns its values as a plain tensor.
+
+    An output style's asynchronous redistribution (the embedding's reduce-scatter to sequence shards)
+    returns such a tensor, and the eager embedding passes it to the first compiled block. torch 2.13
+    swaps such graph inputs for the plain tensor they wrap before tracing, which has no autograd history
+    (pytorch/pytorch#191113): the compiled block returns no gradient for its input, and the embedding's
+    backward fails on a zero-filled plain tensor where it expects a DTensor. Waiting here, eagerly and
+    through autograd, keeps that edge; the first use of the tensor would have waited anyway."""
+
+    @staticmethod
+    def forward(ctx, x: AsyncCollectiveTensor) -> torch.Tensor:
+        return x.trigger_wait().view(x.shape)  # a new view: autograd attaches to it, not to the wrapped tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wait_collective_output(module: nn.Module, args: tuple, output):
+    return _WaitCollective.apply(output) if isinstance(output, AsyncCollectiveTensor) else None
 
 
 def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:

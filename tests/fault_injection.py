@@ -7,6 +7,7 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   kill-commit:N    ... once every rank's files and .metadata of step N are written, just before
                    integrity.json and the rename that commit the checkpoint
   hang-step:N:R    rank R stops responding (sleeps) during step N
+  raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
 
 """
 
@@ -59,7 +60,7 @@ def kill_everything() -> None:
 
 
 def inject(kind: str, step: int, rank: int | None) -> None:
-    if kind in ("kill-step", "hang-step"):
+    if kind in ("kill-step", "hang-step", "raise-step"):
         original_step, calls = Optimizers.step, [0]
 
         def step_with_fault(self, *args, **kwargs):
@@ -67,6 +68,8 @@ def inject(kind: str, step: int, rank: int | None) -> None:
             if calls[0] == step and (rank is None or dist.get_rank() == rank):
                 if kind == "kill-step":
                     kill_everything()
+                if kind == "raise-step":
+                    raise RuntimeError(f"fault injected at step {step}")
                 time.sleep(3600)
             return original_step(self, *args, **kwargs)
 
@@ -97,4 +100,4 @@ def inject(kind: str, step: int, rank: int | None) -> None:
 if __name__ == "__main__":
     kind, step, *rank = os.environ["INGOT_FAULT"].split(":")
     inject(kind, int(step), int(rank[0]) if rank else None)
-    sys.exit(train.main(sys.argv[1:]))
+    sys.exit(train.run_worker(train.main))

@@ -30,6 +30,9 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, local_batch=None, extra
     return dp_replicate * dp_shard * tp * pp * cp, args
 
 
+COMPILE = ["--compile.enable", "true"]
+SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+
 LAYOUTS = {
     "tp4": layout(tp=4),
     "dp_shard2_tp2": layout(dp_shard=2, tp=2),
@@ -44,6 +47,9 @@ LAYOUTS = {
     "dp_shard2_tp2_pp2": layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
     "dp_shard2_tp2_cpu_offload": layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
     "pp2_dp_shard2_cpu_offload": layout(pp=2, dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+    # Compiled blocks under TP, whose first takes the eager embedding's output (parallelisms/tensor_parallel.py).
+    "tp2_compile": layout(tp=2, extra=COMPILE),
+    "dp_shard2_tp2_compile_selective_op": layout(dp_shard=2, tp=2, extra=[*COMPILE, *SELECTIVE_OP]),
 }
 
 
@@ -57,6 +63,25 @@ def test_tensor_parallel_degree_must_divide_the_heads():
     check_tp_fits(model, 2)
     with pytest.raises(ConfigError, match=r"parallelism.tensor_parallel_degree 4 must divide model.n_kv_heads \(2\)"):
         check_tp_fits(model, 4)
+
+
+@pytest.mark.parametrize("checkpointing", [["--activation_checkpoint.mode", "full"],
+                                           ["--activation_checkpoint.mode", "selective"]], ids=["full", "layer"])
+def test_compiled_tensor_parallel_that_recomputes_attention_is_refused_on_cpu(checkpointing):
+    """torch's compiler misplaces the CPU generator state it saves for the recomputed attention next to
+    the DTensor mesh (components/layout_checks.py); CUDA runs it (tests/test_cuda.py)."""
+    from components.config import ConfigError, load_config
+    from components.distributed import ParallelDims
+    from components.layout_checks import check_supported
+
+    config = load_config([*TINY, "--parallelism.tensor_parallel_degree", "2", *COMPILE, *checkpointing])
+    dims = ParallelDims.from_config(config.parallelism, world_size=2)
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode .* with compile.enable and "
+                                          r"parallelism.tensor_parallel_degree > 1 does not run on CPU"):
+        check_supported(config, dims, torch.device("cpu"))
+    check_supported(config, dims, torch.device("cuda"))
+    config = load_config([*TINY, "--parallelism.tensor_parallel_degree", "2", *COMPILE, *SELECTIVE_OP])
+    check_supported(config, dims, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -320,14 +320,14 @@ name = "no_data"
     out = tmp_path / "sweep"
     result = run_sweep_cli(str(path), "--output", str(out), "--parallel", "2")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAILED  no_data (exit code 1): error: training.dataset_path: no data files" in result.stdout
+    assert "FAILED  no_data (exit code 2): error: training.dataset_path: no data files" in result.stdout
     assert "1 of 2 run(s) not done: no_data" in result.stderr
     rows = {r["run"]: r for r in read_csv(out / "results.csv")}
     assert rows["good"]["status"] == "done" and rows["good"]["last_step"] == "3"
-    assert rows["no_data"]["status"] == "failed" and rows["no_data"]["exit_code"] == "1"
+    assert rows["no_data"]["status"] == "failed" and rows["no_data"]["exit_code"] == "2"  # train.py's own status
     assert "no data files at '/nonexistent/corpus.jsonl'" in rows["no_data"]["error"]
     state = json.loads((out / "no_data" / "sweep_run.json").read_text())
     assert state["status"] == "failed" and "no data files" in state["stderr_tail"]
-    assert "ChildFailedError" in (out / "no_data" / "stderr.log").read_text()  # the full log is kept
+    assert "[rank0]" in (out / "no_data" / "stderr.log").read_text()  # the full log is kept
     md = (out / "results.md").read_text()
-    assert "## Failed runs" in md and "- no_data (exit code 1): `error: training.dataset_path: no data files" in md
+    assert "## Failed runs" in md and "- no_data (exit code 2): `error: training.dataset_path: no data files" in md

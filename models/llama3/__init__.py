@@ -54,6 +54,8 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     args.max_seq_len = config.training.seq_len
     args.rope_per_document = config.model.rope_per_document
     args.qk_norm = config.model.qk_norm
+    if config.model.mup:
+        args.mup_base_dim = config.model.mup_base_dim
     return args
 
 

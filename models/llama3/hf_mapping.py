@@ -79,7 +79,11 @@ def ingot_name(name: str) -> str:
 
 
 def check_llama_form(args: ModelArgs) -> None:
-    """Refuse a model that LlamaForCausalLM cannot express: one with QK-norm (model.qk_norm)."""
+    """Refuse a model that LlamaForCausalLM cannot express: one with QK-norm (model.qk_norm) or µP's
+    output multiplier (model.mup)."""
+    if args.mup_base_dim:
+        raise ValueError("model.mup: Hugging Face's LlamaForCausalLM has no output multiplier, so a µP model cannot "
+                         "be exported to or loaded from a Llama folder")
     if args.qk_norm:
         raise ValueError("model.qk_norm: Hugging Face's LlamaForCausalLM has no QK-norm, so this model cannot be "
                          "exported to or loaded from a Llama folder; train Qwen3 (model.name qwen3, which has "

@@ -1,6 +1,7 @@
 """Llama 3 as a plain nn.Module: RMSNorm, RoPE with Llama 3.1 frequency scaling (in Hugging Face's
 rotate-half layout, see Transformer), grouped-query attention through scaled_dot_product_attention,
-SwiGLU feed-forward; optionally QK-norm (`ModelArgs.qk_norm`).
+SwiGLU feed-forward; optionally QK-norm (`ModelArgs.qk_norm`) and the maximal-update
+parametrization (`ModelArgs.mup_base_dim`, docs/mup.md).
 
 Document masking: given the document number of every token of a packed window (`document_ids`),
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
@@ -55,10 +56,19 @@ class ModelArgs:
     """When the forward is given document_ids: RoPE positions restart at 0 at each document."""
     qk_norm: bool = False
     """An RMSNorm over each head's queries and keys before RoPE (QK-norm, as in Qwen3)."""
+    mup_base_dim: int | None = None
+    """µP relative to a model of this width (docs/mup.md); None: the standard parametrization."""
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def mup_width(self) -> float:
+        """µP's width multiplier m = dim / mup_base_dim; 1 without µP. The block matrices' init std is
+        divided by sqrt(m) (here) and their lr by m (components/optim.py), the logits by m (Transformer).
+        All of them grow with dim (the feed-forward size too), so one m serves them all."""
+        return self.dim / self.mup_base_dim if self.mup_base_dim else 1.0
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -128,9 +138,9 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
         if self.qk_norm:
             self.q_norm.reset_parameters()
@@ -158,8 +168,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
         for linear in (self.w2, self.w3):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
 
@@ -175,13 +185,15 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
+        width_scale = args.mup_width**-0.5  # 1 without µP
+        self.std = 0.02 * width_scale
+        self.out_std = 0.02 / math.sqrt(2 * depth) * width_scale
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
+        self.attention.init_weights(self.std, self.out_std)
+        self.feed_forward.init_weights(self.std, self.out_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
@@ -239,7 +251,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
         if self.output is not None and not self.args.tie_embeddings:
-            final_std = self.args.dim**-0.5
+            final_std = (self.args.mup_base_dim or self.args.dim) ** -0.5  # µP: the base width's, whatever the width
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,4 +268,8 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if self.args.mup_base_dim:  # µP's output multiplier 1/m, on the (smaller) input of the projection
+            h = h / self.args.mup_width
+        return self.output(h)

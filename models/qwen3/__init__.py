@@ -45,6 +45,8 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     for an MoE flavor the [moe] section's settings."""
     if config.model.flavor not in flavors:
         raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    if config.model.mup:
+        raise ValueError("model.mup (µP) is implemented for Llama 3 only (docs/mup.md)")
     for key in NOT_APPLICABLE:
         if getattr(config.model, key) is not None:
             raise ValueError(f"model.{key} does not apply to Qwen3 (its feed-forward size is model.ffn_dim, "

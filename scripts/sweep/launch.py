@@ -26,7 +26,7 @@ from components.metrics import read_metrics
 from scripts.sweep.plan import Run, Sweep, SweepError
 from scripts.sweep.state import next_action, read_state, write_state
 
-STDERR_TAIL = 30  # lines of a failed run's stderr (before torchrun's report) kept in sweep_run.json
+STDERR_TAIL = 30  # lines of a failed run's stderr (before any report of plain torchrun) kept in sweep_run.json
 LOCK_FILE = ".sweep.lock"
 
 
@@ -100,8 +100,9 @@ def _now() -> str:
 
 
 def _trainer_lines(stderr: str) -> list[str]:
-    """A failed run's stderr up to torchrun's own traceback of the failure. Its warnings (closing
-    signals sent to the other workers) can come before the failed worker's last lines, so they are kept."""
+    """A failed run's stderr up to plain torchrun's own traceback of the failure, if any: run_train.sh's launcher
+    (components/launch.py) prints none, but scripts.benchmark runs plain torchrun. Its warnings can come before the
+    failed worker's last lines, so they are kept."""
     lines = stderr.splitlines()
     end = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), len(lines))
     return lines[:end]
@@ -113,8 +114,9 @@ ERROR_LINE = re.compile(
 
 
 def error_summary(stderr: str) -> str:
-    """The line of a failed run's stderr that says what went wrong: train.py's `error: ...`, or the
-    last line of a Python traceback, before torchrun's report; else that report's exit code line."""
+    """The line of a failed run's stderr that says what went wrong: train.py's `error: ...`, or the last line of a
+    Python traceback (before plain torchrun's report; else that report's exit code line); else the last line, such
+    as the launcher's `rank N was killed by SIGKILL (exit status 137)`."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     end = len([line for line in _trainer_lines(stderr) if line.strip()])
     for line in reversed(lines[:end]):

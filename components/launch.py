@@ -1,0 +1,156 @@
+"""The launcher of run_train.sh and docs/multinode_trainer.slurm: torchrun, exiting with its workers' status and
+showing a failure once.
+
+torchrun alone exits with 1 whenever a worker fails, whatever the worker's status (2: bad config or input, 3: stopped
+by the step guard, 75: stopped by a signal after a checkpoint; docs/reliability.md), and adds its own traceback and
+summary to what every rank printed. `python -m components.launch <torchrun's arguments>` runs torchrun itself
+(torch.distributed.run: its arguments, rendezvous, signal forwarding and shutdown timeout, unchanged), then exits with
+the worst status of its workers (worst_status) and prints the report of the rank that failed first: its one line, or
+its traceback. Its workers leave their reports to it (report_failure, run_worker) in the error file torchrun gives
+each of them, so an error every rank hits is shown once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from unittest import mock
+
+from components.preemption import EXIT_PREEMPTED
+
+EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3
+"""Exit statuses besides 0, 1 (a crash) and EXIT_PREEMPTED (75): a config or input that cannot be used; a run
+stopped by its step guard (non-finite values, too many skipped steps)."""
+KNOWN = (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED)
+"""The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
+LAUNCHED = "INGOT_LAUNCHER"
+"""Set in the environment of this launcher's workers, which leave their failure reports to it."""
+
+
+def worst_status(statuses: Iterable[int]) -> int:
+    """The status that speaks for several processes: a crash (1, 128+N after signal N, any other) over 3 (step guard)
+    over 2 (bad input) over 75 (preempted, checkpoint saved) over 0; of several crashes, the highest number (a signal
+    says more than 1). A crash must not hide behind a stop that explains itself, a run that a person must change
+    (3, 2) behind one that only needs running again (75), and nothing behind 0."""
+    return max(statuses, key=lambda s: (0, KNOWN.index(s)) if s in KNOWN else (1, s), default=0)
+
+
+def _error_file() -> str | None:
+    """Where a worker of this launcher writes its failure report; None for any other process."""
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") if os.environ.get(LAUNCHED) else None
+
+
+def report_failure(message: str) -> None:
+    """A worker's one-line failure report: for this launcher, which shows the first failing rank's, or on stderr."""
+    path = _error_file()
+    if path:  # in a format torchrun parses: it reads every failed worker's error file
+        Path(path).write_text(json.dumps({"message": message, "timestamp": str(int(time.time()))}))
+    else:
+        print(message, file=sys.stderr)
+
+
+def run_worker(main: Callable[[], int]) -> int:
+    """main()'s status. For this launcher an uncaught exception goes with its traceback into the error file, in
+    torch's own format, instead of onto stderr, and the status is 1."""
+    if not _error_file():
+        return main()
+    try:
+        return main()
+    except Exception as e:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+        return 1
+
+
+class Workers:
+    """What the launcher learns of the workers by watching torchrun stop them (PContext.close, which it calls once all
+    have ended, as soon as one has failed, and when it got a signal)."""
+
+    def __init__(self):
+        self.context = None
+        self.consequences: set[int] = set()
+        """Local ranks still running when torchrun began stopping them after another one ended: their status is a
+        consequence of that one's (torchrun's SIGTERM, then SIGKILL, or a broken collective)."""
+
+    def watch(self, close: Callable) -> Callable:
+        def watched(context, *args, **kwargs):
+            if context is not self.context:  # the first close of these workers (a restart brings new ones)
+                running = {r for r, h in context.subprocess_handlers.items() if h.proc.poll() is None}
+                self.context = context
+                self.consequences = running if len(running) < len(context.subprocess_handlers) else set()
+            close(context, *args, **kwargs)
+        return watched
+
+    def outcome(self) -> tuple[int | None, list[str]]:
+        """The worst status of the ranks that ended on their own (or of all, stopped by a signal to the launcher;
+        None before any worker started), and what to print: the first report written, after a line on the rank
+        behind the status when that rank wrote none (killed by a signal, say)."""
+        if self.context is None:
+            return None, []
+        codes, reports = {}, []  # global rank -> return code (-N after signal N); (written at, rank, message)
+        for local, handler in self.context.subprocess_handlers.items():
+            code = handler.proc.poll()
+            if code is None or local in self.consequences:
+                continue
+            rank = int(self.context.envs[local]["RANK"])
+            codes[rank] = code
+            if code and (report := _read_report(self.context.error_files[local])):
+                reports.append((report[0], rank, report[1]))
+        statuses = {rank: 128 - code if code < 0 else code for rank, code in codes.items()}
+        status, lines = worst_status(statuses.values()), []
+        if status not in (0, EXIT_PREEMPTED) and all(statuses[rank] != status for _, rank, _ in reports):
+            rank = min(rank for rank, s in statuses.items() if s == status)
+            cause = f"was killed by {signal.Signals(-codes[rank]).name}" if codes[rank] < 0 else "exited"
+            lines.append(f"rank {rank} {cause} (exit status {status})")
+        if reports:
+            _, rank, message = min(reports)
+            lines.append(message if isinstance(message, str) else
+                         f"rank {rank} crashed (exit status {statuses[rank]}):\n{message['extraInfo']['py_callstack']}")
+        return status, [line.rstrip() for line in lines]
+
+
+def _read_report(path: str) -> tuple[int, str | dict] | None:
+    """When a worker wrote its error file, and its message: a line (report_failure) or torch's record of an exception
+    (run_worker); None without a readable one."""
+    try:
+        return os.stat(path).st_mtime_ns, json.loads(Path(path).read_text())["message"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _not_replaced(record: logging.LogRecord) -> bool:
+    """False for torchrun's log lines that the launcher's report replaces: the first failure it noticed, and each
+    worker it then stops."""
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ[LAUNCHED] = "1"
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
+    workers, signalled = Workers(), None
+    with mock.patch.object(PContext, "close", workers.watch(PContext.close)):
+        try:
+            torchrun.run(torchrun.parse_args(argv))
+        except ChildFailedError:
+            pass  # torchrun's summary of the failure: the workers' own statuses and reports are read below
+        except SignalException as e:  # torchrun passed the signal on and waited for the workers
+            signalled = 128 + e.sigval
+    status, lines = workers.outcome()
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return status if status is not None else signalled or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""run_train.sh (components/launch.py: torchrun, then the workers' status) exits with what its workers exited
+with, and shows a failure once: a config error's line, a step-guard stop, a preemption, a crash's traceback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY
+
+from components.launch import worst_status
+
+RUN = [*TINY, "--metrics.log_freq", "1", "--training.dataloader_workers", "0"]
+
+
+def start(command: list[str], nproc: int, dump: Path, **env: str) -> subprocess.Popen:
+    """`command` in the repository root with this interpreter first on PATH (run_train.sh calls `python`), stdout
+    and stderr together."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(nproc),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
+    return subprocess.Popen([*command, "--job.dump_folder", str(dump)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_train(nproc: int, args: list[str], dump: Path) -> tuple[int, str]:
+    proc = start([str(REPO / "run_train.sh"), *args], nproc, dump)
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
+def test_the_worst_status_is_a_crash_then_the_step_guard_then_bad_input_then_a_preemption():
+    assert worst_status([0, 75, 2, 3, 1]) == 1
+    assert worst_status([0, 75, 2, 3]) == 3
+    assert worst_status([75, 2, 0]) == 2
+    assert worst_status([0, 75]) == 75 and worst_status([0, 0]) == 0 and worst_status([]) == 0
+    assert worst_status([1, 128 + signal.SIGKILL, 75]) == 137  # of crashes, a signal's says more than 1
+    assert worst_status([75, 143]) == 143
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_config_error_exits_2_with_its_line_once(nproc, tmp_path):
+    status, out = run_train(nproc, ["--training.stepz", "3"], tmp_path)
+    assert status == 2, out
+    assert len(out.splitlines()) <= 5, out
+    assert out.count("config error: unknown config key 'training.stepz' (did you mean training.steps?)") == 1, out
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_non_finite_loss_exits_3_with_its_line_once(nproc, tmp_path):
+    """An lr of 1e30 makes the loss of step 2 non-finite, on every rank alike."""
+    status, out = run_train(nproc, [*RUN, "--training.steps", "6", "--optimizer.lr", "1e30"], tmp_path)
+    assert status == 3, out
+    assert out.count("training stopped: non-finite loss or gradient norm at step ") == 1, out
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigusr1_to_run_train_sh_saves_a_checkpoint_and_exits_75(nproc, tmp_path):
+    args = [*RUN, "--training.steps", "400", "--checkpoint.enable", "true", "--checkpoint.interval", "100"]
+    proc = start([str(REPO / "run_train.sh"), *args], nproc, tmp_path)
+    for line in proc.stdout:  # signal once step 4 is logged: somewhere inside step 5
+        if " step      4 " in line:
+            proc.send_signal(signal.SIGUSR1)  # to run_train.sh's process, which became the launcher
+            break
+    out = line + proc.stdout.read()
+    assert proc.wait(timeout=120) == 75, out
+    record = json.loads((tmp_path / "preempted.json").read_text())
+    assert record["signal"] == "SIGUSR1" and record["step"] >= 4
+    assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file()
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+@pytest.mark.slow
+def test_a_crash_exits_1_and_shows_the_first_failing_ranks_traceback_once(tmp_path):
+    """Rank 1 raises during step 3; rank 0, stopped by torchrun or by the broken collective, stays silent. Started
+    as on a node of a multi-node job (--nnodes, --rdzv-*), which run_train.sh's --standalone stands for."""
+    command = [sys.executable, "-m", "components.launch", "--nnodes", "1", "--nproc_per_node", "2", "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "crash", "tests/fault_injection.py", *RUN,
+               "--training.steps", "6"]
+    proc = start(command, 2, tmp_path, INGOT_FAULT="raise-step:3:1")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "rank 1 crashed (exit status 1):\nTraceback (most recent call last):" in out, out
+    assert out.count("Traceback") == 1 and out.count("RuntimeError: fault injected at step 3") == 1, out
+    assert "ChildFailedError" not in out
