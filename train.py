@@ -181,12 +181,18 @@ def train(config: Config, signals: StopSignals) -> int:
     validation_paths = validation_sources(config.validation.dataset_path)
     if config.validation.enable:  # a bad validation.dataset_path fails now, not at the first validation
         for path in validation_paths.values():
-            build_validation_dataloader(config, tokenizer, dp_rank, dims.dp, path)
+            if next(iter(build_validation_dataloader(config, tokenizer, dp_rank, dims.dp, path)), None) is None:
+                raise ConfigError(f"validation.dataset_path {path} holds no batch of training.local_batch_size x "
+                                  f"training.seq_len tokens for data-parallel rank {dp_rank}")
     evaluation = config.evaluation
     tasks = ([prepare_task(read_task(spec, evaluation.limit), tokenizer, training.seq_len) for spec in evaluation.tasks]
              if evaluation.enable else [])
     train_state = TrainState()
     step_guard = StepGuard(training, device)
+    spikes = (f"skips steps {training.spike_sigma} sigma above the last {training.spike_window} accepted ones, "
+              f"from step {training.spike_window + 1}" if training.spike_guard else "off")
+    nonfinite = "stops the run" if training.on_nonfinite == "stop" else "skips the step"
+    logger.info(f"step guard: a non-finite loss or gradient norm {nonfinite}; spike guard {spikes}")
     checkpointer = CheckpointManager(
         config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
         training.steps, device, load_hf=lambda path: load_hf_weights(path, model_parts, model_package, model_args),
@@ -220,13 +226,20 @@ def train(config: Config, signals: StopSignals) -> int:
     batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in dataloader)
     precompute_float8 = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
 
+    short_validation = set()  # sources found to hold fewer batches than validation.steps, said once
+
     def validate(step: int) -> None:
         start = time.perf_counter()
         losses = {}
         for name, path in validation_paths.items():
             loader = build_validation_dataloader(config, tokenizer, dp_rank, dims.dp, path)
             val_batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in loader)
-            losses[name] = validation_loss(model, val_batches, config.validation.steps, plan.grad_accum_steps)
+            losses[name], batches_used = validation_loss(model, val_batches, config.validation.steps,
+                                                         plan.grad_accum_steps, device)
+            if batches_used < config.validation.steps and name not in short_validation:
+                short_validation.add(name)
+                logger.warning(f"validation data {path} holds {batches_used} batches, fewer than validation.steps "
+                               f"{config.validation.steps}: validating on those {batches_used}")
         metrics.log_validation(step, losses, time.perf_counter() - start)
 
     def evaluate(step: int) -> None:
@@ -431,16 +444,25 @@ def train_step(
 
 
 @torch.no_grad()
-def validation_loss(model: ModelOnRank, batches: Iterator, steps: int, grad_accum_steps: int) -> float:
-    """Mean loss over the first `steps` batches of the validation data, on every rank."""
+def validation_loss(model: ModelOnRank, batches: Iterator, steps: int, grad_accum_steps: int,
+                    device: torch.device) -> tuple[float, int]:
+    """Mean loss over the first `steps` batches of the validation data, on every rank, and how many
+    batches that was: fewer when the data holds fewer (every rank stops where the first runs out; start-up
+    made sure there is at least one)."""
     for part in model.parts:
         part.eval()
-    loss_sum = 0
+    loss_sum, done = torch.zeros((), device=device), 0
     for _ in range(steps):
-        loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=False)
+        batch = next(batches, None)
+        available = torch.tensor(int(batch is not None), device=device)
+        dist.all_reduce(available, op=dist.ReduceOp.MIN)
+        if not available.item():
+            break
+        loss_sum = loss_sum + forward_backward(model, *batch, grad_accum_steps, train=False)
+        done += 1
     for part in model.parts:
         part.train()
-    return (over_ranks(model, loss_sum) * grad_accum_steps).item() / steps
+    return (over_ranks(model, loss_sum) * grad_accum_steps).item() / done, done
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -150,6 +151,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
     # transformers refuses files whose metadata does not say "pt".
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600): give it a new file's usual mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_json(path: Path, value: dict) -> None:

@@ -7,9 +7,12 @@ same casts and scaling in high precision, which is how the CPU tests exercise th
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def float8_supported(device: torch.device) -> bool:
@@ -37,7 +40,11 @@ def convert_to_float8(model: nn.Module, recipe_name: str, skip_fqns: list[str], 
             return False
         return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-    return convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    converted = convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    layers = sum(type(m).__name__ == "Float8Linear" for m in converted.modules())
+    how = "emulated (this device has no float8 matmuls: numerics only, no speed-up)" if config.emulate else "on"
+    logger.info(f"float8 {recipe_name}: {how} for {layers} linear layers; kept in high precision: {skip_fqns}")
+    return converted
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

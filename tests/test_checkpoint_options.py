@@ -1,6 +1,8 @@
 """Loading part of a checkpoint (checkpoint.exclude_from_loading) and ending a run with a Hugging Face
 folder (checkpoint.last_save_in_hf)."""
 
+import os
+
 import pytest
 import torch
 from conftest import TINY, metric_lines
@@ -43,6 +45,9 @@ def test_the_last_checkpoint_is_also_a_folder_transformers_loads(tmp_path, train
                              "--job.dump_folder", str(tmp_path)]) == 0
     folder = tmp_path / "hf" / "step-2"
     assert {"config.json", "model.safetensors", "tokenizer.model"} <= {p.name for p in folder.iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' private 0600
     tokens = torch.randint(0, 4096, (2, 16))
     dcp_model, _, _ = model_from_checkpoint(tmp_path / "checkpoint" / "step-2")
     with torch.no_grad():

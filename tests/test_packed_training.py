@@ -66,3 +66,21 @@ def test_tokenizer_mismatch_is_refused(packed, tmp_path, train_in_process, capsy
     assert train_in_process(args) == 2
     err = capsys.readouterr().err
     assert "was tokenized with " in err and f"but model.tokenizer_path is {other} (sha256:" in err
+
+
+def test_validation_on_fewer_windows_than_asked_uses_them_and_says_so_once(tmp_path, train_in_process, capsys):
+    """The README's packed + validation command on the default split (1% of documents held out): the
+    validation split holds fewer windows than validation.steps x batch, so every validation uses what
+    there is, the run says so once, and the final checkpoint is written."""
+    folder = tmp_path / "corpus"
+    corpus = REPO / "tests" / "assets" / "shakespeare" / "train.jsonl"
+    assert preprocess([str(corpus), "--output", str(folder), "--workers", "1"]) == 0
+    dump = tmp_path / "run"
+    args = [*TINY, "--training.dataset", "packed", "--training.dataset_path", str(folder), "--validation.enable",
+            "true", "--validation.dataset_path", str(folder), "--validation.freq", "2", "--validation.steps", "1000",
+            "--training.steps", "4", "--checkpoint.enable", "true", "--job.dump_folder", str(dump)]
+    assert train_in_process(args) == 0
+    assert sorted(val_losses(dump)) == [2, 4] and val_losses(dump)[2] != val_losses(dump)[4]
+    err = capsys.readouterr().err
+    assert err.count("fewer than validation.steps 1000: validating on those") == 1
+    assert (dump / "checkpoint" / "step-4").is_dir()

@@ -79,6 +79,7 @@ def load_documents(paths: list[str], text_field: str, setting: str = "training.d
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never reach for the hub
     import datasets
 
+    datasets.disable_progress_bars()  # one bar per file and step would flood the training log
     parts = []
     for path in paths:
         if Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():

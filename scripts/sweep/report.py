@@ -345,7 +345,7 @@ def plot_curves(results: list[Result], path: Path, title: str) -> bool:
     by_step.legend(fontsize="small")
     fig.suptitle(title + " — mean over seeds, band: min–max")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")  # a long legend grows the figure rather than being cut
     plt.close(fig)
     return True
 
