@@ -241,6 +241,10 @@ def search(space: SearchSpace, budget_gib: float, estimate_fn: Callable[[Candida
                     results.extend(Result(space.candidate(bb, ac, comp, f8), f"pruned: no mode fit batch {b}")
                                    for bb in batches[i + 1:] for ac in space.ac_modes[first_mode:])
                     break
+    # What the order rules out without a try: more recomputation than a mode that already fit the same
+    # batch (never faster), or less than a mode that did not fit a smaller batch (cannot fit).
+    tried = {r.candidate for r in results}
+    results.extend(Result(c, "pruned: ruled out by a tried setting") for c in space.all() if c not in tried)
     return results
 
 

@@ -85,8 +85,12 @@ def test_search_stops_growing_the_batch_when_nothing_fits():
     # batch 2: none 2.5 and op 1.7 are over, full 1.1 fits; batch 4: full 1.7 is over, and nothing
     # with less recomputation can fit a larger batch.
     assert [(c.local_batch, c.ac) for c in runner.ran] == [(1, "none"), (2, "full")]
-    pruned = [r for r in results if r.status.startswith("pruned")]
+    pruned = [r for r in results if r.status.startswith("pruned: no mode fit")]
     assert sorted(r.candidate.local_batch for r in pruned) == [8, 16]
+    # Every candidate announced is named once in the results, the ones never tried as pruned.
+    assert sorted(r.candidate.name for r in results) == sorted(c.name for c in space(batches=(1, 2, 4, 8, 16)).all())
+    assert {r.status for r in results if r.candidate.local_batch == 1 and r.candidate.ac != "none"} == {
+        "pruned: ruled out by a tried setting"}
     assert not any(r.ok for r in results if r.candidate.local_batch >= 4)
 
 
