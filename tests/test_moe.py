@@ -149,6 +149,7 @@ def _worker(rank: int, world: int, store_path: str, args: dict) -> None:
             else:  # the router and shared experts: each rank has its own tokens' share
                 dist.all_reduce(grad)
             torch.testing.assert_close(grad, dict(whole.named_parameters())[name].grad, **TOL, msg=name)
+        dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts then)
     finally:
         dist.destroy_process_group()
 
