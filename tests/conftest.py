@@ -1,5 +1,6 @@
 """Helpers to run the trainer from tests: in this process (fast) or under torchrun (several ranks)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -62,6 +63,23 @@ def train_in_process():
     import train
 
     return train.main
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if the sweep runner launches anything; no GPUs (so no torch import either)."""
+    from scripts.sweep import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"launched {args}")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:

@@ -1,7 +1,6 @@
 """Scaling-law ladders (scripts/ladder/): the fit on synthetic losses, bad ladder files, the memory
 budget, a held-out rung on synthetic run folders, and a real tiny ladder run twice."""
 
-import csv
 import json
 import os
 import sys
@@ -9,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, read_csv
 
 from scripts.ladder.__main__ import main
 from scripts.ladder.fit import Law, bootstrap, fit_law
 from scripts.ladder.plan import held_out, plan_runs
 from scripts.ladder.spec import read_ladder
-from scripts.sweep import launch
 
 # Two-layer shapes of the debug model at seq 64 x batch 4 (256 tokens per step): 10 and 20 steps.
 TINY_LADDER = """
@@ -52,21 +50,6 @@ def write_ladder(tmp_path: Path, body: str, name: str = "ladder.toml") -> Path:
     path = tmp_path / name
     path.write_text(body)
     return path
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if any run is launched; no GPUs."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"launched {args}")
-
-    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
-    monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 
 # --- The fit ----------------------------------------------------------------------------------------------

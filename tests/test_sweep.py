@@ -1,7 +1,6 @@
 """Sweeps (scripts/sweep/): expansion and naming, validation before launch, dry runs, device slots,
 reports and `compare`; then real tiny sweeps: completion, skipping, resuming and a failing run."""
 
-import csv
 import json
 import os
 import subprocess
@@ -9,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, read_csv
 
 from components.metrics import read_metrics
 from scripts.sweep import launch, report
@@ -35,21 +34,6 @@ def write_sweep(tmp_path: Path, body: str, name: str = "sweep.toml") -> Path:
     path = tmp_path / name
     path.write_text('base_config = "train_configs/debug_model.toml"\n' + body)
     return path
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if anything is launched; no GPUs (so no torch import either)."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"launched {args}")
-
-    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
-    monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 
 # --- Fast: planning, naming, validation -----------------------------------------------------------------
