@@ -55,10 +55,12 @@ def prepare_task(task: Task, tokenizer: Tokenizer, seq_len: int) -> PreparedTask
     """Every request of a task, tokenized once."""
     requests = []
     for i, example in enumerate(task.examples):
+        context_tokens = None  # the same for every choice: the split depends on the context alone
         for j, choice in enumerate(example.choices):
             context, continuation = split_like_lm_eval(example.context, example.delimiter + choice)
+            context_tokens = context_tokens or len(tokenizer.encode(context, bos=True))
             whole = tokenizer.encode(context + continuation, bos=True)
-            scored = len(whole) - len(tokenizer.encode(context, bos=True))
+            scored = len(whole) - context_tokens
             if not 0 < scored <= seq_len:
                 raise ValueError(f"{task.path}: example {i + 1}, choice {j + 1} is {max(scored, 0)} tokens after its "
                                  f"context; it must be 1 to training.seq_len ({seq_len})")
