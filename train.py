@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from components import wandb_logging
 from components.batch import batch_plan
 from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
@@ -226,6 +227,16 @@ def train(config: Config, signals: StopSignals) -> int:
     batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in dataloader)
     precompute_float8 = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
 
+    def source_tokens() -> dict[str, int]:
+        """The tokens each source of an hf blend gave the batches so far, over all data-parallel ranks."""
+        by_source = getattr(dataloader, "tokens_by_source", {})
+        if len(by_source) < 2:
+            return {}
+        counts = torch.tensor(list(by_source.values()), dtype=torch.float64, device=device)
+        if dims.dp > 1:
+            dist.all_reduce(counts, group=dims.dp_mesh.get_group())
+        return {f"data_tokens/{name}": int(n) for name, n in zip(by_source, counts.tolist())}
+
     short_validation = set()  # sources found to hold fewer batches than validation.steps, said once
 
     def validate(step: int) -> None:
@@ -279,7 +290,7 @@ def train(config: Config, signals: StopSignals) -> int:
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
     try:
-        with Profiler(config.profiling, dump_folder, rank, device) as profiler:
+        with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
             for step in range(start_step + 1, training.steps + 1):
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
@@ -307,7 +318,8 @@ def train(config: Config, signals: StopSignals) -> int:
                     if log_this_step:
                         # Averaged like the loss: over_ranks is a collective, so only on steps every rank logs.
                         z_figure = {"z_loss": over_ranks(model, z_loss_mean).item()} if z_loss else {}
-                        metrics.log(step, loss.item(), grad_norm.item(), lr, skipped | moe_figures | z_figure)
+                        metrics.log(step, loss.item(), grad_norm.item(), lr,
+                                    skipped | moe_figures | z_figure | source_tokens())
                         metrics.log_expert_load(step, expert_load)
                 if layers:
                     metrics.log_layers(step, layers)
@@ -469,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         config = load_config(argv)
+        wandb_logging.check_installed(config.metrics)  # before anything is written
     except ConfigError as e:
         return report(f"config error: {e}", EXIT_BAD_INPUT)
     with StopSignals() as signals:

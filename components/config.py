@@ -171,14 +171,16 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower on CUDA)."""
     dataset: str = "hf"
-    """hf: local JSON/JSONL/text/Parquet files read with Hugging Face datasets, packed on the fly;
-    packed: folders written by python -m scripts.preprocess, memory-mapped."""
+    """hf: files, dataset repositories or hub datasets streamed with Hugging Face datasets, each rank
+    reading its share, packed on the fly; packed: folders written by python -m scripts.preprocess,
+    memory-mapped (docs/data.md)."""
     dataset_path: list[str] = field(default_factory=lambda: ["tests/assets/shakespeare/train.jsonl"])
-    """hf: files, globs, directories of files or a directory written by datasets.save_to_disk.
-    packed: folders, each optionally with a blend weight ("a:0.7,b:0.3")."""
+    """hf: files, globs, folders of files, local dataset repositories, save_to_disk folders or hub ids
+    (owner/name[:config], online only). packed: folders. Either may carry blend weights ("a:0.7,b:0.3")."""
     dataset_text_field: str = "text"
     dataloader_workers: int = 2
-    """Worker processes reading packed data (0: in the training process)."""
+    """Loader worker processes per rank (0: in the training process): they read packed data, or read,
+    tokenize and pack hf data."""
     document_masking: bool = False
     """Attention never crosses a document boundary (EOS) inside a packed window."""
     mixed_precision_param: str = "bfloat16"
@@ -310,6 +312,18 @@ class Metrics:
     training dtype; CPUs and other GPUs then log no MFU."""
     per_layer: bool = False
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (docs/wandb.md): rank 0 only, its files under <dump_folder>/wandb/. Needs
+    `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps the run on disk. The keys below left empty leave
+    the choice to wandb and its WANDB_* variables."""
+    wandb_project: str = ""
+    """Empty: WANDB_PROJECT, else wandb's default project."""
+    wandb_run_name: str = ""
+    """Empty: WANDB_NAME, else a name wandb makes up."""
+    wandb_group: str = ""
+    """Runs to show together, e.g. a sweep's; empty: WANDB_RUN_GROUP."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """e.g. `--metrics.wandb_tags baseline,muon`; empty: WANDB_TAGS."""
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """What a run reports: one readable log line per logged step, the same numbers as JSON lines in
-<dump_folder>/metrics.jsonl, and TensorBoard events under <dump_folder>/tb/.
+<dump_folder>/metrics.jsonl, TensorBoard events under <dump_folder>/tb/ and, with metrics.enable_wandb, the same
+scalars in a Weights & Biases run (components/wandb_logging.py).
 
 Throughput is per device (process): tokens/s = tokens of the step across all ranks / seconds /
 world size, which is what MFU is computed from."""
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from components import wandb_logging
 from components.config import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -157,7 +159,7 @@ class MetricsLogger:
         self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
         self.log_freq, self.is_writer = cfg.log_freq, is_writer
         self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
-        self.jsonl = self.tb = None
+        self.jsonl = self.tb = self.wandb = None
         if is_writer:
             logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})"
                         if self.peak_flops else source)
@@ -171,6 +173,8 @@ class MetricsLogger:
                                         purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
                 self.tb.add_text("config", f"```\n{config_text}\n```")
+            if cfg.enable_wandb:
+                self.wandb = wandb_logging.start_run(dump_folder, cfg, config_text, resume_step)
         self.reset_timer()
 
     def reset_timer(self) -> None:
@@ -209,11 +213,17 @@ class MetricsLogger:
                 + (f"  z_loss {record['z_loss']:.4f}" if "z_loss" in record else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
-            if self.tb is not None:
-                for key, value in record.items():
-                    if key != "step" and value is not None:
-                        self.tb.add_scalar(f"train/{key}", value, step)
+            self.scalars(step, {f"train/{key}": value for key, value in record.items()
+                                if key != "step" and value is not None})
         self.reset_timer()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Scalars by their tag, to TensorBoard and W&B where enabled."""
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def log_validation(self, step: int, losses: dict[str | None, float], seconds: float) -> None:
         """Log the validation loss of each source (None: the one unnamed source, logged as val_loss;
@@ -221,18 +231,17 @@ class MetricsLogger:
         self.start += seconds
         if not self.is_writer:
             return
-        record = {"step": step}
+        record, scalars = {"step": step}, {}
         for name, loss in losses.items():
             suffix = "" if name is None else f"/{name}"
             perplexity = math.exp(min(loss, 100.0))
             logger.info(f"validation at step {step}{' on ' + name if name else ''}: loss {loss:8.4f}  "
                         f"perplexity {perplexity:10.2f}")
             record |= {f"val_loss{suffix}": loss, f"val_perplexity{suffix}": perplexity}
-            if self.tb is not None:
-                self.tb.add_scalar(f"validation/loss{suffix}", loss, step)
-                self.tb.add_scalar(f"validation/perplexity{suffix}", perplexity, step)
+            scalars |= {f"validation/loss{suffix}": loss, f"validation/perplexity{suffix}": perplexity}
         logger.info(f"validation took {seconds:.1f}s")
         self.jsonl.write(json.dumps(record) + "\n")
+        self.scalars(step, scalars)
 
     def log_evaluation(self, step: int, results: dict[str, dict[str, float]], seconds: float) -> None:
         """Log each task's acc and acc_norm (eval/<task>/<metric>); the seconds it took do not count
@@ -247,30 +256,32 @@ class MetricsLogger:
             record |= {f"eval/{task}/acc": figures["acc"], f"eval/{task}/acc_norm": figures["acc_norm"]}
         logger.info(f"evaluation took {seconds:.1f}s")
         self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
+        self.scalars(step, {key: value for key, value in record.items() if key != "step"})
 
     def log_layers(self, step: int, layers: dict[int, dict[str, float]]) -> None:
         """Per-block statistics (components/layer_metrics.py): one metrics.jsonl record, and
-        TensorBoard scalars layers/<field>/<layer>."""
+        scalars layers/<field>/<layer>."""
         if not self.is_writer:
             return
         self.jsonl.write(json.dumps({"step": step, "layers": layers}) + "\n")
-        if self.tb is not None:
-            for layer, fields in layers.items():
-                for field, value in fields.items():
-                    self.tb.add_scalar(f"layers/{field}/{layer}", value, step)
+        self.scalars(step, {f"layers/{field}/{layer}": value
+                            for layer, fields in layers.items() for field, value in fields.items()})
 
     def log_expert_load(self, step: int, load: dict[int, torch.Tensor]) -> None:
-        """Each MoE layer's tokens per expert over their mean, as TensorBoard histograms moe/expert_load/<layer>."""
-        if self.is_writer and self.tb is not None:
+        """Each MoE layer's tokens per expert over their mean, as histograms moe/expert_load/<layer>."""
+        if not self.is_writer:
+            return
+        if self.tb is not None:
             for layer, values in load.items():
                 self.tb.add_histogram(f"moe/expert_load/{layer}", values, step)
+        if self.wandb is not None:
+            self.wandb.log({f"moe/expert_load/{layer}": wandb_logging.histogram(values)
+                            for layer, values in load.items()}, step=step)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

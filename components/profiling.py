@@ -1,7 +1,8 @@
 """torch.profiler traces and CUDA memory snapshots, taken in windows every `profile_freq` steps.
 
-In each window of profile_freq steps the profiler idles, then warms up for `profiler_warmup` steps
-and records `profiler_active` steps; at the end of the window every rank writes
+Windows of profile_freq steps end at multiples of profile_freq (also in a resumed run); in each the
+profiler idles, then warms up for `profiler_warmup` steps and records `profiler_active` steps; at the
+end of the window every rank writes
 <dump>/<save_traces_folder>/step-N/rank<R>_trace.json, a chrome trace (open it in
 https://ui.perfetto.dev or chrome://tracing). With `enable_memory_snapshot` on CUDA, the allocator's
 history is recorded from the start and dumped next to the traces at the end of each window and when
@@ -13,21 +14,39 @@ The CUDA allocator is what makes those snapshots; on CPU there is none, and the 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from components.config import ConfigError, Profiling as ProfilingConfig
 
 logger = logging.getLogger(__name__)
 
 
+def window_action(start_step: int, last_step: int, freq: int, warmup: int, active: int, first_trace: int,
+                  index: int) -> ProfilerAction:
+    """What the profiler does at its `index`-th step (step start_step + 1 + index of the run): windows of
+    `freq` steps end at multiples of freq with `warmup` steps then `active` recorded ones, the last of which
+    saves the trace. Windows ending before `first_trace` or after `last_step` are left out."""
+    step = start_step + 1 + index
+    until_end = -step % freq  # 0 at the window's last step
+    if not first_trace <= step + until_end <= last_step or until_end >= warmup + active:
+        return ProfilerAction.NONE
+    if until_end >= active:
+        return ProfilerAction.WARMUP
+    return ProfilerAction.RECORD_AND_SAVE if until_end == 0 else ProfilerAction.RECORD
+
+
 class Profiler:
     """A context around the training loop: call `step(step)` after every training step. Does
     nothing when profiling is off; an out-of-memory error leaving the loop dumps a memory snapshot."""
 
-    def __init__(self, cfg: ProfilingConfig, dump_folder: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: ProfilingConfig, dump_folder: Path, rank: int, device: torch.device, start_step: int,
+                 last_step: int):
+        """`start_step`: the step the run resumes after (0 for a fresh run); `last_step`: its last step. The
+        windows end at multiples of profile_freq whatever the start, so a resumed run traces the same steps."""
         self.folder, self.rank, self.device = dump_folder / cfg.save_traces_folder, rank, device
         self.step_number = 0
         self.memory_snapshots = cfg.enable_memory_snapshot and device.type == "cuda"
@@ -36,17 +55,27 @@ class Profiler:
                         "on CPU the profiler traces' memory view is recorded instead")
         self.profiler = None
         if cfg.enable_profiling:
-            idle = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
-            if cfg.profiler_active < 1 or cfg.profiler_warmup < 0 or idle < 0:
+            freq, warmup, active = cfg.profile_freq, cfg.profiler_warmup, cfg.profiler_active
+            if active < 1 or warmup < 0 or freq < warmup + active:
                 raise ConfigError(
-                    f"profiling.profile_freq ({cfg.profile_freq}) must be at least "
-                    f"profiler_warmup ({cfg.profiler_warmup}) + profiler_active ({cfg.profiler_active}), "
-                    "with profiler_active >= 1"
+                    f"profiling.profile_freq ({freq}) must be at least profiler_warmup ({warmup}) + "
+                    f"profiler_active ({active}), with profiler_active >= 1"
                 )
+            # A window that began before the start cannot warm up: the first one is the next whole one.
+            first_whole = start_step + (-(start_step + warmup + active) % freq) + warmup + active
+            traces = list(range(first_whole, last_step + 1, freq))
+            if rank == 0:
+                if traces:
+                    logger.info(f"profiling: traces of steps ending at {', '.join(map(str, traces[:3]))}"
+                                f"{', ...' if len(traces) > 3 else ''} (every profiling.profile_freq = {freq} steps)")
+                else:
+                    logger.warning(f"profiling: no trace in steps {start_step + 1} to {last_step}: the next window "
+                                   f"ends at step {first_whole} (windows end at multiples of profiling.profile_freq "
+                                   f"= {freq}, after {warmup} warmup steps); lower profile_freq for one")
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             self.profiler = profile(
                 activities=activities,
-                schedule=schedule(wait=idle, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
+                schedule=partial(window_action, start_step, last_step, freq, warmup, active, first_whole),
                 on_trace_ready=self._write_trace,
                 profile_memory=True,
                 record_shapes=True,

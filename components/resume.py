@@ -10,7 +10,8 @@ and says what wrote that very checkpoint, where config.toml says what the latest
 A change that makes the checkpoint unusable is refused, naming old -> new and the ways on: the model's
 weights (any model.* or moe.* key that changes a weight's name or shape), the tokenizer's contents, and
 the form of the state a part of the checkpoint holds (training.dataset, optimizer.name,
-training.spike_window) unless that part is left out with checkpoint.exclude_from_loading. Any other
+training.spike_window; for the hf loader also the data-parallel degree and loader workers, which decide
+each rank's share of the data) unless that part is left out with checkpoint.exclude_from_loading. Any other
 change of what the run computes is allowed and named in one line.
 """
 
@@ -133,10 +134,24 @@ def _refusals(config: Config, path: Path, saved: dict, weights: dict[str, torch.
         if part not in config.checkpoint.exclude_from_loading and key in old and old[key] != new[key]:
             lines.append(f"{key} {old[key]} → {new[key]}: the checkpoint's {part} state does not fit the new one "
                          f"(or resume without it: --checkpoint.exclude_from_loading {part})")
+    if saved and "dataloader" not in config.checkpoint.exclude_from_loading and old.get("training.dataset") == "hf" \
+            and new["training.dataset"] == "hf":
+        dp = [_data_parallel_degree(r["layout"]) for r in (saved, record)]
+        workers = [r["training.dataloader_workers"] for r in (old, new)]
+        if dp[0] != dp[1] or workers[0] != workers[1]:
+            lines.append(f"data-parallel degree {dp[0]} → {dp[1]}, training.dataloader_workers {workers[0]} → "
+                         f"{workers[1]}: the hf loader's position is per rank and worker, each reading its own share "
+                         "of the shards (docs/data.md); resume with the saved ones, or without the data position "
+                         "(the data starts again from its beginning): --checkpoint.exclude_from_loading dataloader")
     if misfit:
         return [f"checkpoint {path} does not fit this model: {misfit} (check model.flavor and the model.* overrides)",
                 *lines]
     return [f"checkpoint {path} cannot be resumed under this config:", *lines] if lines else []
+
+
+def _data_parallel_degree(layout: str) -> int:
+    degrees = dict(item.split("=") for item in layout.split())
+    return int(degrees.get("dp_replicate", 1)) * int(degrees.get("dp_shard", 1))
 
 
 def _set_aside(config: Config, dump_folder: Path) -> None:

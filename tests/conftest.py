@@ -1,19 +1,39 @@
 """Helpers to run the trainer from tests: in this process (fast) or under torchrun (several ranks)."""
 
 import csv
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "tests/assets/shakespeare/train.jsonl"
+TOKENIZER = REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model"
+
+
+def _packed_corpus_folder() -> Path:
+    """Where the shipped corpus is preprocessed for the tests, named by what its contents depend on."""
+    code = [REPO / "components/data/packed_format.py", *sorted((REPO / "scripts/preprocess").glob("*.py"))]
+    inputs = [CORPUS, TOKENIZER, *code]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in inputs)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "ingot-tests" / f"shakespeare-packed-{digest}"
+
+
+PACKED_CORPUS = _packed_corpus_folder()
+"""The shipped corpus as a packed folder (built once per version of the preprocessing code, see
+pytest_sessionstart): the packed loader's global stream is the same under every data-parallel layout,
+which is what the parity tests compare."""
 
 # A small but real configuration: the debug model's shape on the shipped corpus, cut for speed.
 TINY = [
-    "--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+    "--job.config_file", "debug_model.toml", "--training.dataset", "packed", "--training.dataset_path",
+    str(PACKED_CORPUS), "--model.n_layers", "2", "--training.seq_len", "64",
     "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "false",
     "--metrics.enable_tensorboard", "false",
 ]
@@ -91,6 +111,23 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
         raise AssertionError(f"torchrun failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def pytest_sessionstart(session):
+    """Build PACKED_CORPUS unless an earlier session did; built aside and renamed, so that concurrent
+    sessions never read a half-written folder."""
+    if (PACKED_CORPUS / "manifest.json").exists():
+        return
+    from scripts.preprocess import preprocess
+
+    PACKED_CORPUS.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=PACKED_CORPUS.parent))
+    preprocess([str(CORPUS)], str(staging / "out"), str(TOKENIZER), workers=0, val_fraction=0.0, progress=False)
+    try:
+        (staging / "out").rename(PACKED_CORPUS)
+    except OSError:  # another session got there first
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -133,7 +133,8 @@ def test_missing_hf_files(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         build_validation_dataloader(config, tokenizer=None, dp_rank=0, dp_size=1, path=str(tmp_path / "val.jsonl"))
     assert str(error.value) == (f"validation.dataset_path: no data files at '{tmp_path / 'val.jsonl'}' "
-                                "(JSON/JSONL, text or Parquet)")
+                                "(JSON/JSONL, text or Parquet files, a dataset repository or save_to_disk folder, "
+                                "or a hub id owner/name when online)")
 
 
 def test_data_tokenized_with_another_tokenizer(packed):

@@ -27,6 +27,17 @@ def test_profiler_writes_a_chrome_trace_per_window(tmp_path, train_in_process, c
     assert "enable_memory_snapshot needs CUDA" in capsys.readouterr().err
 
 
+def test_a_resumed_run_traces_the_windows_a_straight_run_traces_and_says_which(tmp_path, train_in_process, capsys):
+    args = [*TINY, "--profiling.enable_profiling", "true", "--profiling.profile_freq", "4",
+            "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)]
+    assert train_in_process([*args, "--training.steps", "3"]) == 0
+    assert "no trace in steps 1 to 3: the next window ends at step 4" in capsys.readouterr().err
+    assert train_in_process([*args, "--training.steps", "8"]) == 0  # resumes after step 3
+    assert "profiling: traces of steps ending at 4, 8" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "profile_traces").iterdir()) == ["step-4", "step-8"]
+
+
 def test_impossible_profiler_window_is_refused(tmp_path, train_in_process, capsys):
     args = [*TINY, "--profiling.enable_profiling", "true", "--profiling.profile_freq", "2",
             "--profiling.profiler_warmup", "2", "--job.dump_folder", str(tmp_path)]

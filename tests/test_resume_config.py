@@ -5,9 +5,7 @@ import hashlib
 import json
 
 import pytest
-from conftest import REPO, TINY, metric_lines, torchrun
-
-from scripts.preprocess import main as preprocess
+from conftest import TINY, metric_lines, torchrun
 
 ARGS = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "2"]
 
@@ -46,24 +44,21 @@ def test_a_shape_change_is_refused_in_a_few_lines_and_the_folder_is_unchanged(tr
     assert folder_hashes(trained) == before
 
 
-def test_a_change_of_dataset_kind_is_refused_the_same_way(trained, tmp_path, train_in_process, capsys):
-    packed = tmp_path / "packed"
-    corpus = REPO / "tests" / "assets" / "shakespeare" / "validation.jsonl"
-    assert preprocess([str(corpus), "--output", str(packed), "--workers", "0", "--quiet"]) == 0
+def test_a_change_of_dataset_kind_is_refused_the_same_way(trained, train_in_process, capsys):
     before = folder_hashes(trained)
-    packed_args = [*ARGS, "--training.dataset", "packed", "--training.dataset_path", str(packed),
-                   "--training.dataloader_workers", "0", "--job.dump_folder", str(trained)]
-    assert train_in_process(packed_args) == 2
+    hf_args = [*ARGS, "--training.dataset", "hf", "--training.dataset_path", "tests/assets/shakespeare/train.jsonl",
+               "--training.dataloader_workers", "0", "--job.dump_folder", str(trained)]
+    assert train_in_process(hf_args) == 2
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) <= 15 and "Traceback" not in "\n".join(lines)
-    assert ("  training.dataset hf → packed: the checkpoint's dataloader state does not fit the new one "
+    assert ("  training.dataset packed → hf: the checkpoint's dataloader state does not fit the new one "
             "(or resume without it: --checkpoint.exclude_from_loading dataloader)") in lines
     assert folder_hashes(trained) == before
     # Leaving the data loader's state out makes the change legal: it resumes and names it.
-    assert train_in_process([*packed_args, "--training.steps", "3", "--checkpoint.exclude_from_loading",
+    assert train_in_process([*hf_args, "--training.steps", "3", "--checkpoint.exclude_from_loading",
                              "dataloader"]) == 0
     [named] = [line for line in capsys.readouterr().err.splitlines() if "resuming step 2 with changes" in line]
-    assert "training.dataset hf → packed" in named
+    assert "training.dataset packed → hf" in named
 
 
 def test_a_checkpoint_without_a_run_record_still_fails_in_words(trained, train_in_process, capsys):

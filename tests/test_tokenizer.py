@@ -8,7 +8,7 @@ import pytest
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from components.data.local_files import build_local_files_dataloader
+from components.data.streaming import build_streaming_dataloader
 from components.tokenizer import (
     LLAMA3_PATTERN,
     HFTokenizer,
@@ -396,8 +396,8 @@ def test_hf_tokenizer_feeds_the_hf_loader(tmp_path, hf_file, validation_docs):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     tokenizer = build_tokenizer(hf_file)
-    loader = build_local_files_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=2, dp_rank=0,
-                                          dp_size=1)
+    loader = build_streaming_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=2, dp_rank=0,
+                                        dp_size=1, num_workers=0)
     batch = next(iter(loader))
     stream = [i for doc in docs for i in tokenizer.encode(doc, bos=True, eos=True)]
     assert batch.shape == (2, 17)

@@ -2,11 +2,9 @@
 built by loaders.py.
 
 Two sources (`training.dataset`):
-- hf: local JSONL/text/Parquet files or a `save_to_disk` folder, tokenized and packed on the fly
-  (local_files.py): no preparation, for small data;
+- hf: files, local dataset repositories or hub datasets streamed with `datasets`, each data-parallel
+  rank reading its own share, tokenized and packed in loader workers (streaming.py): no preparation,
+  any size; resumes exactly under the same layout;
 - packed: folders written once by `python -m scripts.preprocess` (in the format of packed_format.py),
-  memory-mapped with a global shuffle (packed.py): for real runs.
-
-Both keep their position in the global stream of samples, so checkpoints resume exactly, also under
-another data-parallel degree.
+  memory-mapped with a global shuffle (packed.py): resumes exactly under any layout.
 """

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.config import Config, ConfigError
-from components.data.local_files import build_local_files_dataloader
 from components.data.packed import build_packed_dataloader
 from components.data.packed_format import is_packed_folder
+from components.data.streaming import build_streaming_dataloader, build_streaming_validation_dataloader
 from components.tokenizer import Tokenizer
 
 
@@ -19,8 +19,8 @@ def build_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size
             t.dataset_path, "train", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, t.dataloader_workers,
         )
-    return build_local_files_dataloader(t.dataset_path, t.dataset_text_field, tokenizer, t.seq_len,
-                                        t.local_batch_size, dp_rank, dp_size)
+    return build_streaming_dataloader(t.dataset_path, t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size,
+                                      dp_rank, dp_size, t.dataloader_workers)
 
 
 def validation_sources(paths: list[str]) -> dict[str | None, str]:
@@ -39,13 +39,13 @@ def validation_sources(paths: list[str]) -> dict[str | None, str]:
 
 def build_validation_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int, path: str):
     """Validation batches of this rank, from the start of `path` (a validation.dataset_path source):
-    the validation split of a packed folder, in order, or local files (as for `hf`)."""
+    the validation split of a packed folder, in order, or an hf source (streaming.py), in order."""
     t = config.training
     if is_packed_folder(path):
         return build_packed_dataloader(
             [path], "validation", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, num_workers=0, shuffle=False,
         )
-    return build_local_files_dataloader([path], t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size,
-                                        dp_rank, dp_size, "validation.dataset_path")
+    return build_streaming_validation_dataloader(path, t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size,
+                                                 dp_rank, dp_size)
 

@@ -1,0 +1,118 @@
+"""Training on the streaming hf loader through run_train.sh: the shipped corpus as a local dataset repository
+of 4 Parquet shards trains on 2 processes without an Arrow copy, resumes bitwise, refuses a resume that
+would change each rank's share, and bad data stops the run with one line and exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CORPUS, REPO, TINY, losses
+
+pytestmark = pytest.mark.slow
+
+HF = [*TINY, "--training.dataset", "hf", "--metrics.log_freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    """The whole shipped corpus as a dataset repository: data/train-0000i-of-00004.parquet."""
+    import datasets
+
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "data").mkdir()
+    docs = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
+    per = -(-len(docs) // 4)
+    for i in range(4):
+        datasets.Dataset.from_dict({"text": docs[i * per:(i + 1) * per]}).to_parquet(
+            str(folder / "data" / f"train-{i:05d}-of-00004.parquet"))
+    return folder
+
+
+def run_train(nproc: int, args: list[str], tmp_path: Path, **env: str) -> tuple[int, str]:
+    """./run_train.sh with this interpreter first on PATH; its status and output (stdout and stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(nproc), HF_DATASETS_CACHE=str(tmp_path / "hf_cache"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
+    result = subprocess.run([str(REPO / "run_train.sh"), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    return result.returncode, result.stdout + result.stderr
+
+
+def large_arrow_files(*folders: Path) -> list[Path]:
+    return [f for folder in folders for f in folder.rglob("*.arrow") if f.stat().st_size > 1 << 20]
+
+
+def test_two_processes_stream_their_shards_with_falling_loss_and_no_arrow_copy(repository, tmp_path):
+    dump = tmp_path / "run"
+    status, out = run_train(2, [*HF, "--training.dataset_path", str(repository), "--training.steps", "30",
+                                "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(dump)],
+                            tmp_path)
+    assert status == 0, out[-3000:]
+    assert "rank 0: shards 1, 3 of 4 (train-00000-of-00004.parquet, train-00002-of-00004.parquet)" in out
+    assert "rank 1: shards 2, 4 of 4" in out
+    loss = losses(dump)
+    assert len(loss) == 30
+    assert sum(loss[s] for s in range(26, 31)) < sum(loss[s] for s in range(1, 6)) - 5 * 1.0
+    assert large_arrow_files(tmp_path / "hf_cache", dump) == []
+
+
+def test_a_run_resumed_at_step_8_matches_16_steps_straight_bitwise(repository, tmp_path):
+    # A constant learning rate after warmup: the schedule of an 8-step run is then that of a 16-step one.
+    args = [*HF, "--training.dataset_path", str(repository), "--training.dataloader_workers", "2",
+            "--lr_scheduler.decay_type", "constant", "--checkpoint.enable", "true", "--checkpoint.interval", "8"]
+    status, out = run_train(1, [*args, "--training.steps", "16", "--job.dump_folder", str(tmp_path / "straight")],
+                            tmp_path)
+    assert status == 0, out[-3000:]
+    resumed = tmp_path / "resumed"
+    for steps in (8, 16):
+        status, out = run_train(1, [*args, "--training.steps", str(steps), "--job.dump_folder", str(resumed)],
+                                tmp_path)
+        assert status == 0, out[-3000:]
+    assert "loading checkpoint" in out.lower() or "resum" in out.lower(), out[-3000:]
+    assert losses(resumed) == losses(tmp_path / "straight")
+
+
+def test_a_resume_under_another_data_parallel_degree_is_refused_before_anything_is_written(repository, tmp_path):
+    dump = tmp_path / "run"
+    args = [*HF, "--training.dataset_path", str(repository), "--checkpoint.enable", "true",
+            "--checkpoint.interval", "2", "--training.steps", "2", "--job.dump_folder", str(dump)]
+    status, out = run_train(1, args, tmp_path)
+    assert status == 0, out[-3000:]
+    before = files(dump)
+    status, out = run_train(2, [*args, "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "2"],
+                            tmp_path)
+    assert status == 2, out[-3000:]
+    assert "data-parallel degree 1 → 2" in out and "--checkpoint.exclude_from_loading dataloader" in out
+    assert "Traceback" not in out and len(out.strip().splitlines()) <= 15
+    assert files(dump) == before
+
+
+def files(folder: Path) -> dict[Path, bytes]:
+    """What a run left in `folder`, but the run lock (which names the last job that held the folder)."""
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def bad_input(tmp_path: Path, dataset_path: str, *extra: str, **env: str) -> str:
+    """The one line a run on `dataset_path` stops with (exit status 2, no traceback)."""
+    status, out = run_train(1, [*HF, "--training.dataset_path", dataset_path, "--training.steps", "2", *extra,
+                                "--job.dump_folder", str(tmp_path / "run")], tmp_path, **env)
+    assert status == 2, out[-3000:]
+    assert "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1, out
+    return errors[0]
+
+
+def test_bad_sources_stop_the_run_with_one_line(repository, tmp_path):
+    line = bad_input(tmp_path, "allenai/c4:en", HF_HUB_OFFLINE="1")
+    assert "'allenai/c4:en' is not a local path" in line and "offline" in line
+    broken = tmp_path / "broken"
+    (broken / "data").mkdir(parents=True)
+    for shard in sorted((repository / "data").iterdir())[:3]:
+        (broken / "data" / shard.name).write_bytes(shard.read_bytes())
+    (broken / "data" / "train-00003-of-00004.parquet").write_bytes(b"PAR1 not really")
+    assert "cannot read" in (line := bad_input(tmp_path, str(broken))) and "train-00003-of-00004.parquet" in line
+    line = bad_input(tmp_path, str(repository), "--training.dataset_text_field", "content")
+    assert "has no field 'content' (columns: text)" in line
