@@ -30,6 +30,9 @@ PACKED_CORPUS = _packed_corpus_folder()
 pytest_sessionstart): the packed loader's global stream is the same under every data-parallel layout,
 which is what the parity tests compare."""
 
+ON_HF = ["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)]
+"""The shipped corpus through the streaming hf loader, in document order, whatever the seed."""
+
 # A small but real configuration: the debug model's shape on the shipped corpus, cut for speed.
 TINY = [
     "--job.config_file", "debug_model.toml", "--training.dataset", "packed", "--training.dataset_path",

@@ -68,6 +68,7 @@ def test_every_case_of_every_preset_is_a_valid_config(preset):
         load_config(list(case.flags))
 
 
+@pytest.mark.slow
 def test_refusals_without_a_run():
     result = benchmark("--preset", "tiny", "--training.stepz", "3")
     assert result.returncode == 2 and "training.stepz" in result.stderr
@@ -108,6 +109,7 @@ def test_torchtitan_log_lines_are_read():
     assert parse_log(log, warmup=3) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, args, line", [
     ("framework_overhead", ["--steps", "4", "--warmup", "1", "--repeats", "1", "--training.seq_len", "64",
                             "--training.local_batch_size", "2"], "ratio          : "),

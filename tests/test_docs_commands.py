@@ -31,6 +31,7 @@ def test_a_documented_module_exists(module):
     assert importlib.util.find_spec(module) is not None, f"{module} is named in the docs but does not exist"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("scripts.")])
 def test_a_documented_tool_starts(module):
     result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,

@@ -154,6 +154,7 @@ def _worker(rank: int, world: int, store_path: str, args: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,args", [(2, {}), (4, {"num_shared_experts": 1, "score_func": "sigmoid"})])
 def test_expert_parallel_outputs_and_gradients_match_one_process(world, args, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), args), nprocs=world)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY, build_model, losses, tiny_model_args, torchrun
+from conftest import ON_HF, TINY, build_model, losses, tiny_model_args, torchrun
 
 from components.config import ConfigError, LRScheduler, Optimizer as OptimizerConfig
 from components.muon import Muon, newton_schulz, orthogonalise
@@ -90,6 +90,7 @@ def _sharded_equals_whole(rank: int, world_size: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_sharded_matrix_is_orthogonalised_whole(tmp_path):
     mp.spawn(_sharded_equals_whole, args=(4, str(tmp_path / "init")), nprocs=4)
 
@@ -175,7 +176,8 @@ MOE = [*MUON, "--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "-
 
 
 def test_muon_trains_a_mixture_of_experts_model(tmp_path, train_in_process):
-    args = [*MOE, "--training.steps", "10", "--training.local_batch_size", "4", "--training.global_batch_size", "4"]
+    args = [*MOE, *ON_HF, "--training.steps", "10", "--training.local_batch_size", "4",
+            "--training.global_batch_size", "4"]
     assert train_in_process([*args, "--job.dump_folder", str(tmp_path)]) == 0
     curve = list(losses(tmp_path).values())
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.15, curve

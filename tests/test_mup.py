@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY, build_model, losses, metric_lines, tiny_model_args, torchrun
+from conftest import ON_HF, TINY, build_model, losses, metric_lines, tiny_model_args, torchrun
 
 from components.config import ConfigError, Optimizer as OptimizerConfig, load_config
 from components.muon import Muon
@@ -88,7 +88,7 @@ def test_at_the_base_width_mup_is_the_standard_parametrization(train_in_process,
     assert group_lrs(standard, cfg) == group_lrs(mup, cfg)
     base = ["--model.mup", "true", "--model.mup_base_dim", "256"]  # the debug model's width
     for name, extra in (("sp", []), ("mup", base)):
-        assert train_in_process([*RUN, *extra, "--job.dump_folder", str(tmp_path / name)]) == 0
+        assert train_in_process([*RUN, *ON_HF, *extra, "--job.dump_folder", str(tmp_path / name)]) == 0
     sp, mup = metric_lines(tmp_path / "sp"), metric_lines(tmp_path / "mup")
     assert [m["loss"] for m in sp] == [m["loss"] for m in mup]
     assert [m["grad_norm"] for m in sp] == pytest.approx([m["grad_norm"] for m in mup], rel=1e-6)

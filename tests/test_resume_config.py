@@ -5,7 +5,7 @@ import hashlib
 import json
 
 import pytest
-from conftest import TINY, metric_lines, torchrun
+from conftest import ON_HF, TINY, metric_lines, torchrun
 
 ARGS = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "2"]
 
@@ -46,8 +46,7 @@ def test_a_shape_change_is_refused_in_a_few_lines_and_the_folder_is_unchanged(tr
 
 def test_a_change_of_dataset_kind_is_refused_the_same_way(trained, train_in_process, capsys):
     before = folder_hashes(trained)
-    hf_args = [*ARGS, "--training.dataset", "hf", "--training.dataset_path", "tests/assets/shakespeare/train.jsonl",
-               "--training.dataloader_workers", "0", "--job.dump_folder", str(trained)]
+    hf_args = [*ARGS, *ON_HF, "--training.dataloader_workers", "0", "--job.dump_folder", str(trained)]
     assert train_in_process(hf_args) == 2
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) <= 15 and "Traceback" not in "\n".join(lines)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, losses, metric_lines, torchrun
+from conftest import ON_HF, REPO, TINY, losses, metric_lines, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -79,9 +79,7 @@ def test_seed_checkpoint_and_initial_load_path(tmp_path, train_in_process):
     # order does not depend on the seed).
     a, b = tmp_path / "a", tmp_path / "b"
     for dump, training_seed in ((a, "1"), (b, "2")):
-        assert train_in_process([*TINY, "--training.dataset", "hf", "--training.dataset_path",
-                                 "tests/assets/shakespeare/train.jsonl", "--training.steps", "1",
-                                 "--training.seed", training_seed,
+        assert train_in_process([*TINY, *ON_HF, "--training.steps", "1", "--training.seed", training_seed,
                                  "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
                                  "--job.dump_folder", str(dump)]) == 0
     assert losses(a)[1] == losses(b)[1]

@@ -69,6 +69,7 @@ def history(records: list) -> dict[int, dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_every_figure_of_metrics_jsonl_reaches_the_wandb_run_with_the_config_and_git_commit(tmp_path):
     run_train(tmp_path, "--training.steps", "5", "--metrics.wandb_project", "ingot-tests", "--metrics.wandb_run_name",
               "tiny", "--metrics.wandb_group", "wandb", "--metrics.wandb_tags", "a,b")
@@ -89,6 +90,7 @@ def test_every_figure_of_metrics_jsonl_reaches_the_wandb_run_with_the_config_and
     assert config["git_commit"] == commit and commit != "unknown"
 
 
+@pytest.mark.slow
 def test_every_tensorboard_scalar_and_histogram_reaches_the_wandb_run(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -109,6 +111,7 @@ def test_every_tensorboard_scalar_and_histogram_reaches_the_wandb_run(tmp_path):
     assert histograms and all(logged[2][f"{tag}/_type"] == "histogram" for tag in histograms)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     checkpoints = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
     run_train(tmp_path, "--training.steps", "3", *checkpoints, WANDB_PROJECT="from-env")
