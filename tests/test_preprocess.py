@@ -169,8 +169,9 @@ def test_split_adds_up_and_is_deterministic(tmp_path, tokenizer, texts):
     assert splits["train"]["documents"] + splits["validation"]["documents"] == 200
     assert splits["train"]["tokens"] + splits["validation"]["tokens"] == runs["a"]["counts"]["tokens"]
     assert 20 <= splits["validation"]["documents"] <= 60
-    is_val = validation_mask(7, 0, 200, 0.2)
-    assert np.array_equal(is_val, np.concatenate([validation_mask(7, 0, 77, 0.2), validation_mask(7, 77, 123, 0.2)]))
+    is_val = validation_mask(7, 0, 0, 200, 0.2)  # file 0, its documents 0 .. 199
+    assert np.array_equal(is_val, np.concatenate([validation_mask(7, 0, 0, 77, 0.2),
+                                                  validation_mask(7, 0, 77, 123, 0.2)]))
     encoded = [tokenizer.encode(t, bos=True, eos=True) for t in corpus]
     assert documents(tmp_path / "a", "validation") == [e for e, v in zip(encoded, is_val) if v]
     assert documents(tmp_path / "a", "train") == [e for e, v in zip(encoded, is_val) if not v]

@@ -9,7 +9,9 @@ loader through memory maps.
                               shard is tokens[idx[i]:idx[i + 1]]
     DIR/validation-00000.*    the same for the validation split
 
-The shards of a split, in order, form one token stream; a reader sees it as one array.
+A run over several processes (torchrun) names its shards by rank too: train-r00001-00000.bin is rank 1's
+first train shard. The shards of a split, in manifest order, form one token stream; a reader sees it as one
+array.
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def tokenizer_fingerprint(tokenizer_path: str | Path) -> str:
 
 class ShardWriter:
     """Appends documents (token arrays, BOS/EOS included) to the shards of one split, starting a
-    new shard after `shard_tokens` tokens. `close()` returns the manifest entries of the shards."""
+    new shard after `shard_tokens` tokens. `close()` returns the manifest entries of the shards.
+    `rank` (a multi-process run's) goes into the shard names, so that ranks never write the same file."""
 
-    def __init__(self, folder: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 1 << 30):
+    def __init__(self, folder: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 1 << 30,
+                 rank: int | None = None):
         self.folder, self.split, self.dtype, self.shard_tokens = Path(folder), split, np.dtype(dtype), shard_tokens
+        self.stem = split if rank is None else f"{split}-r{rank:05d}"
         self.shards: list[dict] = []
         self._bin = None
 
     def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}"
+        name = f"{self.stem}-{len(self.shards):05d}"
         self._name, self._bin = name, open(self.folder / f"{name}.bin", "wb")
         self._offsets, self._tokens = [0], 0
 

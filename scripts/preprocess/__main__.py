@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scripts.preprocess.distributed import World
 from scripts.preprocess.errors import EXIT_OK, EXIT_USAGE, UsageError
 from scripts.preprocess.pipeline import DEFAULT_BATCH_BYTES, DEFAULT_SHARD_TOKENS, preprocess
 from scripts.preprocess.progress import log
@@ -15,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m scripts.preprocess",
         description="Tokenize JSON-lines, text or Parquet files, or datasets save_to_disk folders, into a packed "
                     "token folder for training.dataset = \"packed\".",
-        epilog="Exit status: 0 done; 1 too many bad lines (the output is still complete), no documents, or a "
+        epilog="Under torchrun (torchrun --nnodes N --nproc_per_node M -m scripts.preprocess ...) the ranks share "
+               "out the input files and rank 0 writes the manifest. "
+               "Exit status: 0 done; 1 too many bad lines (the output is still complete), no documents, or a "
                "worker died; 2 bad arguments or inputs (nothing written).",
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -25,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default="tests/assets/tokenizers/shakespeare_bpe_4k.model", metavar="PATH",
                         help="sentencepiece model or tiktoken BPE-ranks file (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="tokenizer processes (default: the CPUs this process may use; "
-                             "0: tokenize in the main process)")
+                        help="tokenizer processes, per rank under torchrun (default: the CPUs this process may use, "
+                             "divided among torchrun's processes on the machine; 0: tokenize in the main process)")
     parser.add_argument("--text-field", default="text",
                         help="the field or column holding the text (default: %(default)s)")
     parser.add_argument("--val-fraction", type=float, default=0.01,
@@ -45,19 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    world = World.from_env()  # several ranks under torchrun; every rank gets the same exit status
     try:
         result = preprocess(args.inputs, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
                             val_fraction=args.val_fraction, max_bad_fraction=args.max_bad_fraction,
                             shard_tokens=args.shard_tokens, seed=args.seed, batch_bytes=args.batch_bytes,
-                            progress=not args.quiet)
+                            progress=not args.quiet, world=world)
     except UsageError as e:
-        log(f"error: {e}")
+        if world.rank == 0:
+            log(f"error: {e}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)
         log(f"interrupted; {args.output} has no manifest.json and is not a dataset")
         return 130
-    if result.exit_code != EXIT_OK:
+    finally:
+        world.close()
+    if result.exit_code != EXIT_OK and world.rank == 0:
         log(f"error: {result.message}")
     return result.exit_code
 

@@ -166,6 +166,14 @@ def check_sources(sources: list[Source], text_field: str) -> None:
                 )
 
 
+def source_bytes(source: Source) -> int:
+    """The size of an input on disk (a save_to_disk folder: all its files), to deal out the inputs by."""
+    path = Path(source.path)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
 def _parquet_file(source: Source):
     import pyarrow.parquet as pq
 
@@ -258,10 +266,12 @@ def _read_source(source: Source, index: int, text_field: str, block_bytes: int):
     return _read_rows((batch[text_field] for batch in dataset.iter(batch_size=ROWS_PER_READ)), index)
 
 
-def read_tasks(sources: list[Source], text_field: str, batch_bytes: int):
-    """Tasks (lists of parts) of about `batch_bytes` of input or ROWS_PER_READ rows each, in input order."""
+def read_tasks(sources: list[Source], text_field: str, batch_bytes: int, share: range | None = None):
+    """Tasks (lists of parts) of about `batch_bytes` of input or ROWS_PER_READ rows each, in input order,
+    of the sources whose indices are in `share` (default: all); parts name a source by its index in `sources`."""
     parts, size, rows = [], 0, 0
-    for index, source in enumerate(sources):
+    for index in range(len(sources)) if share is None else share:
+        source = sources[index]
         try:
             for part in _read_source(source, index, text_field, batch_bytes):
                 parts.append(part)

@@ -4,28 +4,35 @@ manifest.json, so an interrupted run never leaves something a reader takes for a
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 
-from components.data.packed_format import ShardWriter
+from components.data.packed_format import SPLITS, ShardWriter
 from components.durable import fsync_path
+from scripts.preprocess.distributed import EXCHANGE_FILE, FOLDER_PREFIX
 from scripts.preprocess.errors import UsageError
 
-OUTPUT_FILE = re.compile(r"(train|validation)-\d{5,}\.(bin|idx)|manifest\.json(\.tmp)?")
+OUTPUT_FILE = re.compile(r"(train|validation)(-r\d{5,})?-\d{5,}\.(bin|idx)|manifest\.json(\.tmp)?")
 
 
-def prepare_output(folder: Path) -> bool:
+def prepare_output(folder: Path, keep: Path | None = None) -> bool:
     """Make `folder` ready to write; True when an earlier output there was removed. Its manifest goes
-    first, so from here on the folder is not a dataset until the new manifest is written."""
+    first, so from here on the folder is not a dataset until the new manifest is written. `keep`: the
+    coordination folder of this run's ranks, left alone (one an earlier run left is removed with its output)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--output {folder}: exists and is not a folder")
     if not folder.exists():
         folder.mkdir(parents=True)
         return False
-    entries = list(folder.iterdir())
-    foreign = sorted(p.name for p in entries if not (p.is_file() and OUTPUT_FILE.fullmatch(p.name)))
+    entries = [p for p in folder.iterdir() if p != keep]
+    ranks = [p for p in entries if p.is_dir() and p.name.startswith(FOLDER_PREFIX)
+             and all(EXCHANGE_FILE.fullmatch(name) for name in os.listdir(p))]
+    foreign = sorted(p.name for p in entries
+                     if not ((p.is_file() and OUTPUT_FILE.fullmatch(p.name)) or p in ranks))
     if foreign:
         raise UsageError(
             f"--output {folder}: holds files this tool did not write ({', '.join(foreign[:5])}"
@@ -35,17 +42,20 @@ def prepare_output(folder: Path) -> bool:
     if manifest.exists():
         manifest.unlink()
     for path in entries:
-        if path.exists():
+        if path in ranks:
+            shutil.rmtree(path)
+        elif path.exists():
             path.unlink()
     return bool(entries)
 
 
 class SplitWriters:
-    """The shard writers of the train and validation splits, with the documents and tokens of each."""
+    """The shard writers of the train and validation splits, with the documents and tokens of each
+    (`rank`: a multi-process run's, named in the shards)."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, rank: int | None = None):
         self.folder = folder
-        self.writers = {split: ShardWriter(folder, split, dtype, shard_tokens) for split in ("train", "validation")}
+        self.writers = {split: ShardWriter(folder, split, dtype, shard_tokens, rank) for split in SPLITS}
         self.counts = {split: {"documents": 0, "tokens": 0} for split in self.writers}
 
     def write(self, tokens: np.ndarray, lengths: np.ndarray, is_validation: np.ndarray) -> None:

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections import Counter
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.data.packed_format import token_dtype, tokenizer_fingerprint, write_manifest
+import numpy as np
+
+from components.data.packed_format import SPLITS, token_dtype, tokenizer_fingerprint, write_manifest
 from components.durable import fsync_path
 from components.tokenizer import Tokenizer, build_tokenizer
+from scripts.preprocess.distributed import World, assign_files
 from scripts.preprocess.errors import EXIT_FAILED, EXIT_OK, ReadError, UsageError
-from scripts.preprocess.inputs import check_sources, expand_inputs, read_tasks
+from scripts.preprocess.inputs import Source, check_sources, expand_inputs, read_tasks, source_bytes
 from scripts.preprocess.output import SplitWriters, prepare_output
 from scripts.preprocess.progress import Progress, log, si
 from scripts.preprocess.split import validation_mask
@@ -48,11 +52,12 @@ class Result:
 
 
 def default_workers() -> int:
-    """The CPUs this process may use."""
+    """The CPUs this process may use, shared out among the processes torchrun started on this machine."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _check_options(workers: int, val_fraction: float, max_bad_fraction: float, shard_tokens: int, batch_bytes: int,
@@ -80,61 +85,61 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | None = None, text_field: str = "text",
                val_fraction: float = 0.01, max_bad_fraction: float = 0.001, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-               seed: int = 0, batch_bytes: int = DEFAULT_BATCH_BYTES, progress: bool = True) -> Result:
-    """Tokenize `inputs` into the packed folder `output`. Raises UsageError (before writing anything)
-    for bad arguments or inputs; returns a Result otherwise."""
+               seed: int = 0, batch_bytes: int = DEFAULT_BATCH_BYTES, progress: bool = True,
+               world: World | None = None) -> Result:
+    """Tokenize `inputs` into the packed folder `output`, as one rank of `world` (default: the only one),
+    which tokenizes its share of the files; rank 0 writes the manifest. Raises UsageError (before writing
+    anything, on every rank) for bad arguments or inputs; returns a Result otherwise, with the same exit
+    status on every rank. Only rank 0 logs, but for a rank's own failure."""
+    world = world or World()
     workers = default_workers() if workers is None else workers
-    _check_options(workers, val_fraction, max_bad_fraction, shard_tokens, batch_bytes, inputs)
-    sources = expand_inputs(inputs)
-    check_sources(sources, text_field)
-    tok = _load_tokenizer(tokenizer)
-    dtype = token_dtype(tok.vocab_size)
     folder = Path(output)
-    replaced = prepare_output(folder)
+    world.start(folder)  # several ranks exchange through a folder in the output; main() closes the world
 
-    log(f"{len(sources)} input{'s' * (len(sources) != 1)} -> {folder}{' (replacing the earlier output)' * replaced}; "
-        f"tokenizer {tokenizer} (vocab {tok.vocab_size:,}, {dtype.name}); "
-        f"{workers} worker{'s' * (workers != 1)}; validation fraction {val_fraction}")
-    writers = SplitWriters(folder, dtype, shard_tokens)
-    counts = {"lines": 0, "documents": 0, "tokens": 0}
-    reasons: Counter = Counter()
-    records: list[dict] = []
-    input_bytes, worker_cpu = 0, 0.0
-    meter = Progress(enabled=progress)
+    def check_inputs() -> tuple[list[Source], list[range]]:
+        _check_options(workers, val_fraction, max_bad_fraction, shard_tokens, batch_bytes, inputs)
+        sources = expand_inputs(inputs)
+        if not world.distributed:
+            return sources, [range(len(sources))]
+        return sources, assign_files([source_bytes(source) for source in sources], world.size)
+
+    sources, shares = world.on_rank0(check_inputs)
+    share = shares[world.rank]
+
+    def check_share() -> Tokenizer:
+        check_sources([sources[i] for i in share], text_field)
+        return _load_tokenizer(tokenizer)
+
+    tok = world.on_every_rank(check_share)
+    # the other ranks wait: none writes before this
+    replaced = world.on_rank0(lambda: prepare_output(folder, keep=world.folder))
+    dtype = token_dtype(tok.vocab_size)
+
+    if world.rank == 0:
+        ranks = (f" on {world.size} ranks (files per rank: {', '.join(str(len(s)) for s in shares)})"
+                 if world.distributed else "")
+        replacing = " (replacing the earlier output)" * replaced
+        log(f"{len(sources)} input{'s' * (len(sources) != 1)} -> {folder}{replacing}; "
+            f"tokenizer {tokenizer} (vocab {tok.vocab_size:,}, {dtype.name}); "
+            f"{workers} worker{'s' * (workers != 1)}{' per rank' * world.distributed}{ranks}; "
+            f"validation fraction {val_fraction}")
     start = time.monotonic()
+    part = _tokenize(world, sources, share, folder, dtype, tokenizer, workers, text_field, val_fraction, shard_tokens,
+                     seed, batch_bytes, progress)
+    parts = world.all_gather(part)  # every rank has finished (its shards on disk) or failed
 
-    def counted(tasks):
-        nonlocal input_bytes
-        for task in tasks:
-            input_bytes += sum(part[5] for part in task)
-            yield task
+    failed = [(rank, p["error"]) for rank, p in enumerate(parts) if p["error"] is not None]
+    if failed:
+        errors = "; ".join(f"rank {rank}: {error}" if world.distributed else error for rank, error in failed)
+        return Result(EXIT_FAILED, message=f"{errors}; {folder} has no manifest.json and is not a dataset")
 
-    results = ordered_results(counted(read_tasks(sources, text_field, batch_bytes)), workers, tokenizer, text_field)
-    not_a_dataset = f"{folder} has no manifest.json and is not a dataset"
-    try:
-        for tokens, lengths, bad, lines, cpu in results:
-            worker_cpu += cpu
-            counts["lines"] += lines
-            for source, line, reason in bad:
-                reasons[reason] += 1
-                if len(records) < MAX_LINE_RECORDS:
-                    records.append({"file": sources[source].path, "line": line, "reason": reason})
-            writers.write(tokens, lengths, validation_mask(seed, counts["documents"], len(lengths), val_fraction))
-            counts["documents"] += len(lengths)
-            counts["tokens"] += int(lengths.sum())
-            meter.update(counts["documents"], counts["tokens"], sum(reasons.values()))
-    except BrokenProcessPool as e:
-        meter.end()
-        return Result(EXIT_FAILED, message=f"a worker process died ({e}); out of memory? {not_a_dataset}")
-    except ReadError as e:
-        meter.end()
-        return Result(EXIT_FAILED, message=f"{e}; {not_a_dataset}")
-    finally:
-        results.close()
-    meter.update(counts["documents"], counts["tokens"], sum(reasons.values()), force=True)
-    meter.end()
-
-    splits = writers.close()
+    splits = {split: {"documents": sum(p["splits"][split]["documents"] for p in parts),
+                      "tokens": sum(p["splits"][split]["tokens"] for p in parts),
+                      "shards": [shard for p in parts for shard in p["splits"][split]["shards"]]}
+              for split in SPLITS}
+    counts = {key: sum(p["counts"][key] for p in parts) for key in ("lines", "documents", "tokens")}
+    reasons = sum((p["reasons"] for p in parts), Counter())
+    records = [record for p in parts for record in p["records"]][:MAX_LINE_RECORDS]
     skipped = sum(reasons.values())
     manifest = {
         "dtype": dtype.name,
@@ -157,23 +162,26 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | No
             },
         },
     }
-    write_manifest(folder, manifest)
-    fsync_path(folder)
+    if world.rank == 0:
+        write_manifest(folder, manifest)
+        fsync_path(folder)
     seconds = time.monotonic() - start
 
-    result = Result(EXIT_OK, manifest, seconds, input_bytes, workers, worker_cpu)
-    per_worker = result.tokens_per_second / max(workers, 1)
-    log(f"done: {counts['documents']:,} documents ({splits['train']['documents']:,} train, "
-        f"{splits['validation']['documents']:,} validation), {counts['tokens']:,} tokens, "
-        f"{skipped:,} of {counts['lines']:,} lines skipped, {seconds:.1f} s, "
-        f"{si(result.tokens_per_second)} tokens/s ({si(per_worker)} per worker), "
-        f"{input_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s -> {folder}")
-    if skipped:
-        detail = ", ".join(f"{REASONS.get(r, r)} {n:,}" for r, n in sorted(reasons.items()))
-        first = records[0]
-        log(f"skipped lines: {detail}; first: {first['file']}:{first['line']} "
-            f"({REASONS.get(first['reason'], first['reason'])}); "
-            f"manifest.json counts.skipped lists {len(records):,} of them")
+    result = Result(EXIT_OK, manifest, seconds, sum(p["input_bytes"] for p in parts), workers,
+                    sum(p["worker_cpu"] for p in parts))
+    if world.rank == 0:
+        per_worker = result.tokens_per_second / (max(workers, 1) * world.size)
+        log(f"done: {counts['documents']:,} documents ({splits['train']['documents']:,} train, "
+            f"{splits['validation']['documents']:,} validation), {counts['tokens']:,} tokens, "
+            f"{skipped:,} of {counts['lines']:,} lines skipped, {seconds:.1f} s, "
+            f"{si(result.tokens_per_second)} tokens/s ({si(per_worker)} per worker), "
+            f"{result.input_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s -> {folder}")
+        if skipped:
+            detail = ", ".join(f"{REASONS.get(r, r)} {n:,}" for r, n in sorted(reasons.items()))
+            first = records[0]
+            log(f"skipped lines: {detail}; first: {first['file']}:{first['line']} "
+                f"({REASONS.get(first['reason'], first['reason'])}); "
+                f"manifest.json counts.skipped lists {len(records):,} of them")
     if counts["lines"] and skipped > max_bad_fraction * counts["lines"]:
         result.exit_code = EXIT_FAILED
         result.message = (f"{skipped:,} of {counts['lines']:,} lines ({skipped / counts['lines']:.2%}) were skipped, "
@@ -182,7 +190,79 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, workers: int | No
     elif counts["documents"] == 0:
         result.exit_code = EXIT_FAILED
         result.message = f"the inputs hold no documents; {folder} holds an empty dataset"
-    elif val_fraction > 0 and splits["validation"]["documents"] == 0:
+    elif val_fraction > 0 and splits["validation"]["documents"] == 0 and world.rank == 0:
         log(f"warning: no document fell into the validation split (--val-fraction {val_fraction} of "
             f"{counts['documents']:,} documents); raise --val-fraction for one")
     return result
+
+
+def _tokenize(world: World, sources: list[Source], share: range, folder: Path, dtype: np.dtype, tokenizer: str,
+              workers: int, text_field: str, val_fraction: float, shard_tokens: int, seed: int, batch_bytes: int,
+              progress: bool) -> dict:
+    """This rank's share of the inputs tokenized into its own shards. -> what it did, for rank 0's
+    manifest: splits (with their shards), counts, skipped lines (reasons, the first records), input
+    bytes and worker CPU seconds, or the error that stopped it."""
+    writers = SplitWriters(folder, dtype, shard_tokens, world.rank if world.distributed else None)
+    counts = {"lines": 0, "documents": 0, "tokens": 0}
+    kept_in_file: Counter = Counter()  # documents kept so far per input file, which the split numbers
+    reasons: Counter = Counter()
+    records: list[dict] = []
+    input_bytes, worker_cpu = 0, 0.0
+    meter = Progress(enabled=progress and world.rank == 0,
+                     label=f"rank 0 of {world.size}: " if world.distributed else "")
+
+    def counted(tasks):
+        nonlocal input_bytes
+        for task in tasks:
+            input_bytes += sum(part[5] for part in task)
+            yield task
+
+    tasks = counted(read_tasks(sources, text_field, batch_bytes, share))
+    results = ordered_results(tasks, workers, tokenizer, text_field)
+    reading = f" while reading {_files(sources, share)}" if world.distributed else ""
+    error = None
+    try:
+        for tokens, lengths, kept, bad, lines, cpu in results:
+            worker_cpu += cpu
+            counts["lines"] += lines
+            for source, line, reason in bad:
+                reasons[reason] += 1
+                if len(records) < MAX_LINE_RECORDS:
+                    records.append({"file": sources[source].path, "line": line, "reason": reason})
+            masks = []
+            for source, documents in kept:
+                masks.append(validation_mask(seed, source, kept_in_file[source], documents, val_fraction))
+                kept_in_file[source] += documents
+            writers.write(tokens, lengths, np.concatenate(masks))
+            counts["documents"] += len(lengths)
+            counts["tokens"] += int(lengths.sum())
+            meter.update(counts["documents"], counts["tokens"], sum(reasons.values()))
+        splits = writers.close()
+    except BrokenProcessPool as e:
+        error = f"a worker process died{reading} (out of memory? {e})"
+    except ReadError as e:  # names the file
+        error = str(e)
+    except Exception as e:
+        if not world.distributed:
+            raise
+        # This rank still takes part in the gather, or the others would wait for it until the timeout.
+        traceback.print_exc()
+        error = f"{type(e).__name__}{reading}: {e}"
+    finally:
+        results.close()
+    if error is not None:
+        meter.end()
+        if world.distributed:
+            log(f"rank {world.rank}: error: {error}; the job fails once every rank is done")
+        return {"error": error}
+    meter.update(counts["documents"], counts["tokens"], sum(reasons.values()), force=True)
+    meter.end()
+    return {"splits": splits, "counts": counts, "reasons": reasons, "records": records,
+            "input_bytes": input_bytes, "worker_cpu": worker_cpu, "error": None}
+
+
+def _files(sources: list[Source], share: range) -> str:
+    """A rank's files, for messages."""
+    if len(share) <= 1:
+        return sources[share[0]].path if share else "no files"
+    return f"{sources[share[0]].path} to {sources[share[-1]].path} ({len(share)} files)"

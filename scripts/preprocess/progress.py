@@ -19,12 +19,13 @@ def log(message: str) -> None:
 
 
 class Progress:
-    """A line on stderr: rewritten in place every second on a terminal, printed every 10 s otherwise."""
+    """A line on stderr: rewritten in place every second on a terminal, printed every 10 s otherwise;
+    `label` goes before the figures (whose they are)."""
 
-    def __init__(self, stream=None, enabled: bool = True):
+    def __init__(self, stream=None, enabled: bool = True, label: str = ""):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if hasattr(self.stream, "isatty") else False
-        self.enabled = enabled
+        self.enabled, self.label = enabled, label
         self.start = self.last = time.monotonic()
         self.interval = 1.0 if self.tty else 10.0
         self.shown = False
@@ -35,8 +36,8 @@ class Progress:
             return
         self.last = now
         seconds = max(now - self.start, 1e-9)
-        line = (f"preprocess: {documents:,} documents  {si(documents / seconds)} docs/s  {si(tokens)} tokens  "
-                f"{si(tokens / seconds)} tokens/s  {skipped:,} skipped  {seconds:.0f} s")
+        line = (f"preprocess: {self.label}{documents:,} documents  {si(documents / seconds)} docs/s  "
+                f"{si(tokens)} tokens  {si(tokens / seconds)} tokens/s  {skipped:,} skipped  {seconds:.0f} s")
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
             self.shown = True

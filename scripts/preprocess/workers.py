@@ -55,17 +55,19 @@ class Encoder:
             return None, "missing_field"
         return record[self.text_field], None
 
-    def __call__(self, parts: list) -> tuple[np.ndarray, np.ndarray, list, int, float]:
-        """-> (tokens of the kept documents back to back, their lengths, [(source index, line,
-        reason)] of the skipped ones, lines read, CPU seconds spent)."""
+    def __call__(self, parts: list) -> tuple[np.ndarray, np.ndarray, list, list, int, float]:
+        """-> (tokens of the kept documents back to back, their lengths, [(source index, documents kept)]
+        per part, [(source index, line, reason)] of the skipped ones, lines read, CPU seconds spent)."""
         cpu = time.process_time()
         encode, bos, eos = self.tokenizer.encode, self.tokenizer.bos_id, self.tokenizer.eos_id
         flat: list[int] = []
         lengths: list[int] = []
+        kept: list[tuple[int, int]] = []
         bad: list[tuple[int, int, str]] = []
         lines = 0
         for kind, source, first, count, payload, _ in parts:
             lines += count
+            documents = len(lengths)
             if kind == "lines":
                 items = payload.split(b"\n")
                 if len(items) > count:  # the block ends with a newline: no line after it
@@ -104,8 +106,9 @@ class Encoder:
                 flat.extend(ids)
                 flat.append(eos)
                 lengths.append(len(ids) + 2)
+            kept.append((source, len(lengths) - documents))
         tokens = np.array(flat, dtype=self.dtype)
-        return tokens, np.array(lengths, dtype=np.int64), bad, lines, time.process_time() - cpu
+        return tokens, np.array(lengths, dtype=np.int64), kept, bad, lines, time.process_time() - cpu
 
 
 _ENCODER: Encoder | None = None
