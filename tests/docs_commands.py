@@ -1,0 +1,352 @@
+"""Every shell command of README.md and docs/*.md, run in order in a scratch copy of the repository:
+tests/test_docs_run_in_order.py, or by hand
+
+    python tests/docs_commands.py [--repo DIR] [--report FILE]
+
+which prints (or writes to FILE) one row per command: where, the command as run, exit status, seconds,
+and the first and last line of its output, or why it was skipped.
+
+The commands are the lines of the ```bash, ```sh and ```shell blocks of README.md, docs/getting_started.md,
+then the other docs/*.md in alphabetical order. A line ending in `\\` or leaving a quote open goes on on the
+next line; blank lines and lines starting with `#` are not commands. A command sent to the background
+(ending in `&`) runs in one shell with the next command, which deals with it.
+
+A command's trailing comment says what it must do (the convention docs/getting_started.md states):
+- `# needs GPUs`, `# needs a cluster`, `# needs network` (any comment starting with `needs `): not run; the
+  report lists it as skipped, with the comment as the reason;
+- `# exits N`: exit status N and no Python traceback; a refusal (N = 2) in at most 15 lines of output;
+- any other command: exit status 0.
+
+Each runs with bash, in order, in one scratch copy of the repository (the files git sees: tracked, and
+untracked but not ignored), so that a command finds what the earlier ones wrote, with this Python's bin/
+first on PATH. What the runner changes, and why:
+- The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
+  command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
+  is skipped.
+- `python -m pytest` only collects the suite (`--collect-only -q`): running it would run this test again.
+- Steps are cut short. `run_train.sh` and `train.py` get `--training.steps K+2` appended (a later override
+  wins), K being the newest checkpoint step in the run's dump folder (0 without one): a run that resumes
+  trains 2 steps too, rather than finding nothing to do. A run sent to the background is not cut: it is
+  the run the next command stops. The tools run fewer and shorter trainings (TOOL_CUTS): the benchmark
+  its baseline case only, for 3 steps; autotune 4 candidates (batch 4 or 8, AC none or full, no compile)
+  of 2 steps; coord_check 2 steps. In the scratch copy, the sweep files (train_configs/sweeps/) keep the
+  first 2 values of each grid key and their first 2 [[runs]], of 2 steps each; the ladder files
+  (train_configs/ladders/) keep their first 2 token budgets, a 32nd of each, with 2 warm-up steps and no
+  bootstrap (losses this close to the initial ones give the resamples nothing to fit).
+  Each command still starts its processes as documented: that, not the steps, is most of its time.
+- A checkpoint `DIR/checkpoint/step-N` that a command names but the cut-short runs did not write stands
+  for DIR's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+FENCES = ("```bash", "```sh", "```shell")
+STEPS = 2
+INSTALL = re.compile(r"(python3? -m venv|\. \.venv/bin/activate|pip install)\b")
+TRAINING = re.compile(r"(^|[\s/])(run_train\.sh|train\.py)(\s|$)")
+TOOL_CUTS = {
+    "scripts.benchmark": "--steps 3 --warmup 1 --cases 'debug default'",
+    "scripts.autotune": "--steps 2 --batch-sizes 4,8 --ac-modes none,full --compile off",
+    "scripts.coord_check": "--steps 2",
+}
+CHECKPOINT = re.compile(r"([\w./-]+)/checkpoint/step-(\d+)")
+REFUSED, MAX_REFUSAL_LINES = 2, 15
+TIMEOUT = 900  # seconds per command
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str
+    """file:line of its first line."""
+    text: str
+    """As documented, continuation lines joined, without its trailing comment."""
+    mark: str = ""
+    """Its trailing comment."""
+
+    @property
+    def skip(self) -> str | None:
+        return self.mark if self.mark.startswith("needs ") else None
+
+    @property
+    def expected(self) -> int:
+        exits = re.match(r"exits (\d+)", self.mark)
+        return int(exits[1]) if exits else 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    command: Command
+    ran: str | None = None
+    """The command as run; None when skipped."""
+    status: int | None = None
+    seconds: float = 0.0
+    output: str = ""
+    problem: str = ""
+    """Empty when the command did what its documentation says."""
+
+
+def _unquoted(text: str) -> tuple[list[int], bool]:
+    """The positions of `text`'s characters outside quotes and escapes, and whether a quote is left open."""
+    positions, quote, escaped = [], None, False
+    for i, c in enumerate(text):
+        if escaped:
+            escaped = False
+        elif c == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        else:
+            positions.append(i)
+    return positions, quote is not None
+
+
+def split_comment(text: str) -> tuple[str, str]:
+    """(the command, its trailing comment)."""
+    for i in _unquoted(text)[0]:
+        if text[i] == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[:i].rstrip(), text[i + 1:].strip()
+    return text, ""
+
+
+def documents(repo: Path) -> list[Path]:
+    others = sorted(p for p in (repo / "docs").glob("*.md") if p.name != "getting_started.md")
+    return [repo / "README.md", repo / "docs" / "getting_started.md", *others]
+
+
+def read_commands(repo: Path) -> list[Command]:
+    commands = []
+    for doc in documents(repo):
+        fenced, pending, start = False, None, 0
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                fenced = not fenced and line.strip() in FENCES
+                continue
+            if not fenced:
+                continue
+            if pending is None:
+                if not line.strip() or line.lstrip().startswith("#"):
+                    continue
+                pending, start = line, number
+            elif pending.endswith("\\"):
+                pending = pending[:-1].rstrip() + " " + line.strip()
+            else:  # a quote left open: the line break is part of the command
+                pending += "\n" + line
+            if pending.endswith("\\") or _unquoted(pending)[1]:
+                continue
+            command, pending = Command(f"{doc.relative_to(repo)}:{start}", *split_comment(pending)), None
+            previous = commands[-1] if commands else None
+            if previous and previous.text.endswith("&") and not previous.text.endswith("&&"):
+                command = Command(commands.pop().where, f"{previous.text}\n{command.text}", command.mark)
+            commands.append(command)
+    return commands
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    return [int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*") if p.name[5:].isdigit()]
+
+
+def newest_step(words: list[str], scratch: Path) -> int:
+    """The newest checkpoint step in the dump folder of a training command (0 without one)."""
+    program = next(i for i, word in enumerate(words) if TRAINING.search(word))
+    env = dict(word.split("=", 1) for word in words[:program] if "=" in word)
+    args = words[program + 1:]
+
+    def last(key: str) -> str | None:
+        values = [value for flag, value in zip(args, args[1:]) if flag == f"--{key}"]
+        return values[-1] if values else None
+
+    folder = last("job.dump_folder")
+    if folder is None:
+        name = last("job.config_file") or env.get("CONFIG_FILE", "train_configs/debug_model.toml")
+        config = next((p for p in (scratch / name, scratch / "train_configs" / name) if p.is_file()), None)
+        if config is None:  # the command will say so itself
+            return 0
+        folder = tomllib.loads(config.read_text()).get("job", {}).get("dump_folder", "outputs")
+    return max(checkpoint_steps(scratch / folder), default=0)
+
+
+def _segments(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each simple command of `text`, between unquoted `;`, `&`, `|` and line breaks."""
+    bounds = [i for i in _unquoted(text)[0] if text[i] in ";&|\n"]
+    return list(zip([0, *(i + 1 for i in bounds)], [*bounds, len(text)]))
+
+
+def as_run(command: Command, scratch: Path) -> str:
+    """The command with the runner's changes (see the module's docstring); empty when nothing is left."""
+    text = " && ".join(part for part in re.split(r"\s*&&\s*", command.text) if not INSTALL.match(part))
+    text = text.replace("python -m pytest", "python -m pytest --collect-only -q")
+    for start, end in reversed(_segments(text)):
+        segment = text[start:end].rstrip()
+        extra = next((flags for tool, flags in TOOL_CUTS.items() if f"-m {tool} " in f"{segment} "), "")
+        background = text[end:end + 1] == "&" and text[end:end + 2] != "&&"
+        if TRAINING.search(segment) and not background:
+            extra = f"--training.steps {newest_step(shlex.split(segment), scratch) + STEPS}"
+        if extra:
+            text = f"{segment} {extra}".join((text[:start], text[start + len(segment):]))
+    return CHECKPOINT.sub(lambda m: _existing_checkpoint(m, scratch), text)
+
+
+def _existing_checkpoint(match: re.Match, scratch: Path) -> str:
+    folder, step = match[1], match[2]
+    steps = checkpoint_steps(scratch / folder)
+    if int(step) in steps or not steps:
+        return match[0]
+    return f"{folder}/checkpoint/step-{max(steps)}"
+
+
+def copy_repository(repo: Path, scratch: Path) -> None:
+    """The files git sees, as they are in the working tree; sweeps and ladders cut short."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, names):
+        if (repo / name).is_file():  # not a tracked file deleted in the working tree
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo / name, scratch / name)
+    for sweep in (scratch / "train_configs" / "sweeps").glob("*.toml"):
+        data = tomllib.loads(sweep.read_text())
+        data.setdefault("overrides", {})["training.steps"] = STEPS
+        if "grid" in data:
+            data["grid"] = {key: values[:2] for key, values in data["grid"].items()}
+        if "runs" in data:
+            data["runs"] = data["runs"][:2]
+        sweep.write_text(to_toml(data))
+    for ladder in (scratch / "train_configs" / "ladders").glob("*.toml"):
+        data = tomllib.loads(ladder.read_text())
+        data["bootstrap"] = 0
+        data.setdefault("overrides", {})["lr_scheduler.warmup_steps"] = 2
+        for table in (data, *data.get("rungs", [])):
+            if "tokens" in table:
+                table["tokens"] = [int(tokens) // 32 for tokens in table["tokens"][:2]]
+        ladder.write_text(to_toml(data))
+
+
+def to_toml(data: dict) -> str:
+    """TOML for the shapes of sweep and ladder files: values, tables of values and arrays of such tables."""
+    def value(v) -> str:
+        if isinstance(v, list):
+            return f"[{', '.join(map(value, v))}]"
+        return json.dumps(v) if isinstance(v, (str, bool)) else repr(v)
+
+    def table(values: dict) -> list[str]:
+        return [f"{json.dumps(key)} = {value(v)}" for key, v in values.items()]
+
+    lines = table({key: v for key, v in data.items() if not isinstance(v, dict) and not _tables(v)})
+    for key, v in data.items():
+        if isinstance(v, dict):
+            lines += [f"[{key}]", *table(v)]
+        elif _tables(v):
+            for item in v:
+                lines += [f"[[{key}]]", *table(item)]
+    return "\n".join(lines) + "\n"
+
+
+def _tables(v) -> bool:
+    return isinstance(v, list) and bool(v) and isinstance(v[0], dict)
+
+
+def check(command: Command, status: int, output: str) -> str:
+    """What the command did against what its documentation says; empty when they agree."""
+    if status != command.expected:
+        return f"exit status {status}, documented {command.expected}"
+    if command.expected and "Traceback" in output:
+        return "a Python traceback"
+    lines = len(output.splitlines())
+    if command.expected == REFUSED and lines > MAX_REFUSAL_LINES:
+        return f"refused in {lines} lines (at most {MAX_REFUSAL_LINES})"
+    return ""
+
+
+def run(text: str, scratch: Path) -> tuple[int, str]:
+    """Run `text` with bash in `scratch`; the exit status and the output (stdout and stderr)."""
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    process = subprocess.Popen(["bash", "-c", text], cwd=scratch, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = process.communicate(timeout=TIMEOUT)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()[0] + f"\n[timed out after {TIMEOUT} s]"
+    except BaseException:  # interrupted: leave no command running
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process.returncode, output
+
+
+def run_commands(repo: Path, scratch: Path) -> Iterator[Outcome]:
+    """Copy `repo` to `scratch` and run its documented commands there in order, one Outcome each."""
+    copy_repository(repo, scratch)
+    for command in read_commands(scratch):
+        ran = "" if command.skip else as_run(command, scratch)
+        if not ran:
+            yield Outcome(command)
+            continue
+        start = time.perf_counter()
+        status, output = run(ran, scratch)
+        yield Outcome(command, ran, status, time.perf_counter() - start, output, check(command, status, output))
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def report(outcomes: list[Outcome]) -> str:
+    rows = ["| where | command | status | s | first line of output | last line of output |",
+            "| --- | --- | --- | ---: | --- | --- |"]
+    for o in outcomes:
+        if o.ran is None:
+            reason = o.command.skip or "the install: the commands run in this environment"
+            rows.append(f"| {o.command.where} | `{_cell(o.command.text)}` | skipped | | {_cell(reason)} | |")
+            continue
+        lines = [line for line in o.output.splitlines() if line.strip()] or [""]
+        status = f"{o.status}" + (f" ({o.problem})" if o.problem else "")
+        rows.append(f"| {o.command.where} | `{_cell(o.ran)}` | {_cell(status)} | {o.seconds:.0f} | "
+                    f"{_cell(lines[0])} | {_cell(lines[-1])} |")
+    total = sum(o.seconds for o in outcomes)
+    failed = sum(bool(o.problem) for o in outcomes)
+    return "\n".join(rows) + f"\n\n{len(outcomes)} commands, {failed} not as documented, {total:.0f} s in all\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, default=REPO, help="the repository to copy (default: this one)")
+    parser.add_argument("--report", type=Path, help="write the report here (default: print it)")
+    args = parser.parse_args(argv)
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="docs_commands_") as scratch:
+        for outcome in run_commands(args.repo.resolve(), Path(scratch)):
+            outcomes.append(outcome)
+            done = f"{outcome.status} in {outcome.seconds:.0f} s {outcome.problem}" if outcome.ran else "skipped"
+            print(f"{outcome.command.where}: {done}", file=sys.stderr, flush=True)
+    text = report(outcomes)
+    if args.report:
+        args.report.write_text(text)
+    else:
+        print(text)
+    return 1 if any(o.problem for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
