@@ -34,9 +34,11 @@ ON_HF = ["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)]
 """The shipped corpus through the streaming hf loader, in document order, whatever the seed."""
 
 # A small but real configuration: the debug model's shape on the shipped corpus, cut for speed.
+ON_PACKED = ["--training.dataset", "packed", "--training.dataset_path", str(PACKED_CORPUS)]
+"""The shipped corpus through the packed loader: the same global stream under every layout (parity tests)."""
+
 TINY = [
-    "--job.config_file", "debug_model.toml", "--training.dataset", "packed", "--training.dataset_path",
-    str(PACKED_CORPUS), "--model.n_layers", "2", "--training.seq_len", "64",
+    "--job.config_file", "debug_model.toml", *ON_PACKED, "--model.n_layers", "2", "--training.seq_len", "64",
     "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "false",
     "--metrics.enable_tensorboard", "false",
 ]

@@ -197,3 +197,14 @@ def test_a_hub_id_while_offline_names_the_dataset(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=r"'allenai/c4:en' is not a local path.*this machine is offline"):
         open_source("allenai/c4:en", "text")
+
+
+def test_a_resume_on_other_sources_reads_them_from_their_beginning(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl")
+    b = write_jsonl(tmp_path / "b.jsonl", [f"other {i}" for i in range(5)])
+    first = loader_of([a], 9, 2)
+    batches(first, 3)
+    other = loader_of([b], 9, 2)
+    other.load_state_dict(first.state_dict())
+    assert torch.equal(batches(other, 2)[0], batches(loader_of([b], 9, 2), 1)[0])
+    assert other.tokens_by_source == {"b": 2 * 2 * 10}

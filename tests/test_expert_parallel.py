@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, losses, metric_lines, torchrun
+from conftest import ON_PACKED, REPO, losses, metric_lines, torchrun
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 BASE = [
-    "--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+    "--job.config_file", "debug_moe.toml", *ON_PACKED, "--model.n_layers", "2", "--training.seq_len", "64",
     "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
     "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--metrics.log_freq", "1",
 ]

@@ -337,8 +337,8 @@ class StreamingDataLoader:
     differ, and a distributed checkpoint keeps one copy of a key that several ranks share."""
 
     def __init__(self, dataset: StreamingWindows, local_batch_size: int, num_workers: int, dp_rank: int,
-                 dp_size: int):
-        self.names, self.key = dataset.names, f"dp_rank_{dp_rank}"
+                 dp_size: int, paths: list[str]):
+        self.names, self.key, self.paths = dataset.names, f"dp_rank_{dp_rank}", list(paths)
         self.layout = {"dp": dp_size, "workers": num_workers}
         self.tokens_by_source = dict.fromkeys(self.names, 0)
         self._loader = StatefulDataLoader(
@@ -361,7 +361,8 @@ class StreamingDataLoader:
             yield windows
 
     def state_dict(self) -> dict:
-        state = {"layout": self.layout, "loader": self._loader.state_dict(), "tokens": self.tokens_by_source}
+        state = {"layout": self.layout, "paths": self.paths, "loader": self._loader.state_dict(),
+                 "tokens": self.tokens_by_source}
         return {self.key: pickle.dumps(state)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -370,6 +371,10 @@ class StreamingDataLoader:
             raise DataError(f"the checkpoint's hf data position was saved with {saved['layout']}, this run has "
                             f"{self.layout}; resume with the saved layout or --checkpoint.exclude_from_loading "
                             "dataloader")
+        if saved["paths"] != self.paths:  # a position in other sources means nothing in these
+            logger.warning(f"data: the hf sources changed since the checkpoint ({','.join(saved['paths'])} → "
+                           f"{','.join(self.paths)}): reading the new ones from their beginning")
+            return
         self._loader.load_state_dict(saved["loader"])
         self.tokens_by_source = saved["tokens"]
 
@@ -401,7 +406,7 @@ def build_streaming_dataloader(paths: list[str], text_field: str, tokenizer: Tok
                     f"{num_workers}: a worker reads whole shards, and a rank's share has {min(k for *_, k in shares)}")
     dataset = StreamingWindows([share for share, _, _ in shares], names, weights, text_field, tokenizer, seq_len,
                                setting, [s.files for s in sources])
-    return StreamingDataLoader(dataset, local_batch_size, workers, dp_rank, dp_size)
+    return StreamingDataLoader(dataset, local_batch_size, workers, dp_rank, dp_size, paths)
 
 
 def build_streaming_validation_dataloader(path: str, text_field: str, tokenizer: Tokenizer, seq_len: int,
