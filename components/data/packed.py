@@ -226,8 +226,8 @@ class PackedDataLoader:
 
 
 def parse_path(entry: str) -> tuple[str, float]:
-    """"folder:weight" -> (folder, weight); a folder without a weight (or whose last ':' is not
-    followed by a number) weighs 1."""
+    """"path:weight" -> (path, weight); a path without a weight (or whose last ':' is not followed by a
+    number) weighs 1. The blend notation of both loaders (packed folders and hf sources)."""
     folder, colon, weight = entry.rpartition(":")
     try:
         value = float(weight) if colon else None

@@ -51,6 +51,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from components.data.packed import parse_path
+
 if TYPE_CHECKING:
     from components.tokenizer import Tokenizer
 
@@ -81,20 +83,6 @@ class Source:
     @property
     def num_shards(self) -> int:
         return self.dataset.num_shards
-
-
-def parse_entry(entry: str) -> tuple[str, float]:
-    """"path:weight" -> (path, weight); an entry whose last ':' is not followed by a number weighs 1."""
-    path, colon, weight = entry.rpartition(":")
-    try:
-        value = float(weight) if colon else None
-    except ValueError:
-        value = None
-    if value is None:
-        return entry, 1.0
-    if not (value > 0 and value != float("inf")):
-        raise DataError(f"training.dataset_path {entry!r}: a blend weight must be a positive number")
-    return path, value
 
 
 def _files(path: str, setting: str) -> list[Path]:
@@ -206,7 +194,7 @@ def open_source(entry: str, text_field: str, setting: str = "training.dataset_pa
     import datasets
 
     datasets.disable_progress_bars()  # one bar per file would flood the training log
-    path, weight = parse_entry(entry)
+    path, weight = parse_path(entry)
     p = Path(path)
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
         saved = datasets.load_from_disk(str(p))
