@@ -335,6 +335,7 @@ def train(config: Config, signals: StopSignals) -> int:
                     return stop_for_signal(step)
     finally:
         checkpointer.close()
+        dataloader.close()
         metrics.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"

@@ -98,3 +98,23 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, train_in_process, capsys
                              "--job.dump_folder", str(tmp_path)]) == 2
     expected = "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1"
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("data", ["packed", "hf"])
+def test_a_run_that_fails_midway_leaves_no_loader_worker_running(tmp_path, train_in_process, monkeypatch, data):
+    """The traceback pytest keeps would keep the loader alive; its workers must be stopped anyway, as
+    forking again while their queue threads run can crash the next run's workers."""
+    import multiprocessing
+
+    from components.metrics import MetricsLogger
+
+    def fail(self, step, *args, **kwargs):
+        raise RuntimeError(f"failed at step {step}")
+
+    monkeypatch.setattr(MetricsLogger, "log", fail)
+    source = [] if data == "packed" else ON_HF
+    with pytest.raises(RuntimeError, match="failed at step 1") as failure:
+        train_in_process([*TINY, *source, "--training.dataloader_workers", "2", "--training.steps", "3",
+                          "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)])
+    assert failure.traceback  # still held here
+    assert multiprocessing.active_children() == []

@@ -190,6 +190,16 @@ class RankSampler(Sampler[int]):
             yield self.start + i * self.dp_size + self.dp_rank
 
 
+def stop_workers(loader: StatefulDataLoader) -> None:
+    """Stop `loader`'s worker processes and its queue threads now rather than at garbage collection, which an
+    exception's traceback can put off indefinitely: a process that goes on and forks again (train.main called
+    from a notebook or the test suite) can crash the new child if it forks while those threads run. This is the
+    DataLoader's own shutdown (a private method, stable since torch 1.x); a loader without workers has none."""
+    iterator, loader._iterator = loader._iterator, None
+    if hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
 class PackedDataLoader:
     """Batches (local_batch_size, seq_len + 1) of int64 for one data-parallel rank, read by a
     StatefulDataLoader's workers. The state is the global samples consumed by the batches handed to
@@ -220,6 +230,9 @@ class PackedDataLoader:
 
     def state_dict(self) -> dict:
         return {"samples_consumed": self._consumed}
+
+    def close(self) -> None:
+        stop_workers(self._loader)
 
     def load_state_dict(self, state: dict) -> None:
         self._start = self._consumed = int(state["samples_consumed"])

@@ -51,7 +51,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from components.data.packed import parse_path
+from components.data.packed import parse_path, stop_workers
 
 if TYPE_CHECKING:
     from components.tokenizer import Tokenizer
@@ -352,6 +352,9 @@ class StreamingDataLoader:
         state = {"layout": self.layout, "paths": self.paths, "loader": self._loader.state_dict(),
                  "tokens": self.tokens_by_source}
         return {self.key: pickle.dumps(state)}
+
+    def close(self) -> None:
+        stop_workers(self._loader)
 
     def load_state_dict(self, state: dict) -> None:
         saved = pickle.loads(state[self.key])
