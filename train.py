@@ -212,14 +212,13 @@ def train(config: Config, signals: StopSignals) -> int:
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
         return 0
-    if rank == 0:  # only now: a launch refused at start-up leaves the folder as it was
-        logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
-
     metrics = MetricsLogger(
         dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0,
         to_toml(config), matmul_dtype=matmul_dtype,
         resume_step=start_step,
     )
+    if rank == 0:  # only now: a launch refused at start-up (W&B's included) leaves the folder as it was
+        logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
     eos_id = tokenizer.eos_id if training.document_masking else None

@@ -161,6 +161,8 @@ class MetricsLogger:
         self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
         self.jsonl = self.tb = self.wandb = None
         if is_writer:
+            if cfg.enable_wandb:  # first: a run W&B refuses (not logged in) has written nothing yet
+                self.wandb = wandb_logging.start_run(dump_folder, cfg, config_text, resume_step)
             logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})"
                         if self.peak_flops else source)
             jsonl_path = dump_folder / "metrics.jsonl"
@@ -173,8 +175,6 @@ class MetricsLogger:
                                         purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
                 self.tb.add_text("config", f"```\n{config_text}\n```")
-            if cfg.enable_wandb:
-                self.wandb = wandb_logging.start_run(dump_folder, cfg, config_text, resume_step)
         self.reset_timer()
 
     def reset_timer(self) -> None:

@@ -138,11 +138,13 @@ def _refusals(config: Config, path: Path, saved: dict, weights: dict[str, torch.
             and new["training.dataset"] == "hf":
         dp = [_data_parallel_degree(r["layout"]) for r in (saved, record)]
         workers = [r["training.dataloader_workers"] for r in (old, new)]
-        if dp[0] != dp[1] or workers[0] != workers[1]:
-            lines.append(f"data-parallel degree {dp[0]} → {dp[1]}, training.dataloader_workers {workers[0]} → "
-                         f"{workers[1]}: the hf loader's position is per rank and worker, each reading its own share "
-                         "of the shards (docs/data.md); resume with the saved ones, or without the data position "
-                         "(the data starts again from its beginning): --checkpoint.exclude_from_loading dataloader")
+        changed = [f"{what} {a} → {b}" for what, (a, b) in
+                   (("data-parallel degree", dp), ("training.dataloader_workers", workers)) if a != b]
+        if changed:
+            lines.append(f"{', '.join(changed)}: the hf loader's position is per rank and worker, each reading its "
+                         "own share of the shards (docs/data.md); resume with the saved ones, or without the data "
+                         "position (the data starts again from its beginning): "
+                         "--checkpoint.exclude_from_loading dataloader")
     if misfit:
         return [f"checkpoint {path} does not fit this model: {misfit} (check model.flavor and the model.* overrides)",
                 *lines]

@@ -37,11 +37,16 @@ def start_run(dump_folder: Path, cfg: Metrics, config_text: str, resume_step: in
 
     id_file = dump_folder / RUN_ID_FILE
     run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else None
-    run = wandb.init(
-        dir=dump_folder, id=run_id, resume="allow" if run_id else None,
-        project=cfg.wandb_project or None, name=cfg.wandb_run_name or None, group=cfg.wandb_group or None,
-        tags=cfg.wandb_tags or None, config=tomllib.loads(config_text) | {"git_commit": git_commit()},
-    )
+    try:
+        run = wandb.init(
+            dir=dump_folder, id=run_id, resume="allow" if run_id else None,
+            project=cfg.wandb_project or None, name=cfg.wandb_run_name or None, group=cfg.wandb_group or None,
+            tags=cfg.wandb_tags or None, config=tomllib.loads(config_text) | {"git_commit": git_commit()},
+        )
+    except wandb.errors.Error as e:  # not logged in, no network, a wrong entity or project: said in one line
+        reason = " ".join(str(e).split())
+        raise ConfigError(f"metrics.enable_wandb: W&B could not start a run ({reason}); log in with `wandb login` "
+                          "(or set WANDB_API_KEY), or log offline with WANDB_MODE=offline") from None
     id_file.write_text(run.id)
     return run
 

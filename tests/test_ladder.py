@@ -74,6 +74,24 @@ def test_the_fit_recovers_known_parameters_from_noisy_synthetic_losses():
     assert len(laws) == 6 and np.std(alphas) > 0 and all(abs(a - CHINCHILLA.alpha) < 0.05 for a in alphas)
 
 
+def test_a_bootstrap_refit_that_runs_away_is_dropped_not_raised(monkeypatch):
+    from scripts.ladder import fit as fitting
+
+    n, d = (v.ravel() for v in np.meshgrid(np.geomspace(1e7, 1e9, 3), np.geomspace(2e8, 2e10, 3)))
+    loss = CHINCHILLA.loss(n, d)
+    full = fit_law(n, d, loss)
+    minimise = fitting._minimise
+
+    def one_runs_away(theta, weights, data):
+        theta, value = minimise(theta, weights, data)
+        theta[: len(theta) // 3] = 1e4  # every start of the first resample: e^(1e4) overflows a float
+        return theta, value
+
+    monkeypatch.setattr(fitting, "_minimise", one_runs_away)
+    laws = bootstrap(n, d, loss, full, resamples=3, starts=2)
+    assert len(laws) == 2 and all(x.alpha == pytest.approx(CHINCHILLA.alpha, abs=0.05) for x in laws)
+
+
 def test_the_compute_optimal_size_minimises_the_law_at_fixed_compute():
     flops = 1e21
     n_opt, d_opt = CHINCHILLA.compute_optimal(flops)

@@ -84,7 +84,7 @@ def test_a_resume_under_another_data_parallel_degree_is_refused_before_anything_
     status, out = run_train(2, [*args, "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "2"],
                             tmp_path)
     assert status == 2, out[-3000:]
-    assert "data-parallel degree 1 → 2" in out and "--checkpoint.exclude_from_loading dataloader" in out
+    assert "data-parallel degree 1 → 2:" in out and "--checkpoint.exclude_from_loading dataloader" in out
     assert "Traceback" not in out and len(out.strip().splitlines()) <= 15
     assert files(dump) == before
 

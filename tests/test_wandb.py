@@ -18,14 +18,19 @@ BLOCK, HEADER = 32768, 7
 FULL, LAST = 1, 4
 
 
-def run_train(dump: Path, *args: str, nproc: int = 1, **env: str) -> None:
-    """./run_train.sh with W&B offline, the test's WANDB_* variables only (none of the caller's)."""
+def launch(dump: Path, *args: str, nproc: int = 1, **env: str) -> subprocess.CompletedProcess:
+    """./run_train.sh with W&B on, the test's WANDB_* variables only (none of the caller's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | dict(
-        OMP_NUM_THREADS="1", NGPU=str(nproc), WANDB_MODE="offline", WANDB_SILENT="true",
+        OMP_NUM_THREADS="1", NGPU=str(nproc), WANDB_SILENT="true",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
-    result = subprocess.run([str(REPO / "run_train.sh"), *TINY, "--training.dataloader_workers", "0",
-                             "--metrics.enable_wandb", "true", *args, "--job.dump_folder", str(dump)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(REPO / "run_train.sh"), *TINY, "--training.dataloader_workers", "0",
+                           "--metrics.enable_wandb", "true", *args, "--job.dump_folder", str(dump)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_train(dump: Path, *args: str, nproc: int = 1, **env: str) -> None:
+    """A launch with W&B offline, which must succeed."""
+    result = launch(dump, *args, nproc=nproc, **{"WANDB_MODE": "offline", **env})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -139,3 +144,18 @@ def test_only_rank_0_writes_a_wandb_run(tmp_path):
     run_train(tmp_path, "--training.steps", "3", "--parallelism.data_parallel_shard_degree", "2", nproc=2)
     [path] = offline_runs(tmp_path)
     assert sorted(history(wandb_records(path))) == [1, 2, 3]
+
+
+def test_a_run_wandb_will_not_start_stops_at_start_up_with_one_line(tmp_path):
+    """Online, with no API key anywhere (HOME without ~/.netrc): exit 2, the fixes named, nothing written."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "earlier.txt").write_text("kept")
+    result = launch(dump, "--training.steps", "2", HOME=str(tmp_path))
+    out = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, out
+    assert len(out) <= 15 and not any("Traceback" in line for line in out), out
+    [error] = [line for line in out if "metrics.enable_wandb" in line]
+    assert "wandb login" in error and "WANDB_MODE=offline" in error, error
+    assert not (dump / "config.toml").exists() and not (dump / "metrics.jsonl").exists()
+    assert (dump / "earlier.txt").read_text() == "kept"

@@ -216,7 +216,8 @@ def fit_law(n, d, loss, starts: int = STARTS) -> Fit:
 def bootstrap(n, d, loss, full: Fit, resamples: int, seed: int = 0, starts: int = 4) -> list[Law]:
     """Laws fitted to `resamples` resamples of the runs (as many draws, with replacement, as there are
     runs), each minimised from the full fit and from its own `starts` best grid points, all at once.
-    A resample that repeats one run only is drawn again: it cannot be fitted."""
+    A resample that repeats one run only is drawn again: it cannot be fitted. A refit that ran away (a
+    non-finite objective, or parameters whose law overflows a float) is dropped, so fewer laws may come back."""
     data, scale = _prepare(n, d, loss)
     rng = np.random.default_rng(seed)
     counts = []
@@ -231,7 +232,15 @@ def bootstrap(n, d, loss, full: Fit, resamples: int, seed: int = 0, starts: int 
         theta, value = _minimise(theta0.reshape(-1, 5), weights.repeat_interleave(starts + 1, 0), data)
     value = torch.where(torch.isfinite(value), value, math.inf).reshape(resamples, starts + 1)
     best = theta.reshape(resamples, starts + 1, 5)[torch.arange(resamples), value.argmin(-1)]
-    return [_law(row, scale) for row in best]
+    laws = []
+    for row, objective in zip(best, value.min(-1).values.tolist()):
+        try:
+            law = _law(row, scale)
+        except OverflowError:
+            continue
+        if math.isfinite(objective) and all(math.isfinite(x) for x in (law.E, law.A, law.alpha, law.B, law.beta)):
+            laws.append(law)
+    return laws
 
 
 def spread(values) -> dict[str, float]:

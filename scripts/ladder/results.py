@@ -103,7 +103,9 @@ def fit_rows(rows: list[Row], kind: str, resamples: int, target: tuple[float, fl
         "loss": LOSS_MEANING[kind],
         "method": f"Huber loss (delta {HUBER_DELTA}) between predicted and measured log loss, minimised by L-BFGS "
                   f"from the {STARTS} best points of a grid of starts (Hoffmann et al. 2022, approach 3); "
-                  f"intervals: 5th-95th percentiles over {resamples} bootstrap resamples of the fitted runs",
+                  f"intervals: 5th-95th percentiles over {len(laws)} bootstrap resamples of the fitted runs"
+                  + (f" ({resamples - len(laws)} of {resamples} refits ran away and were dropped)"
+                     if len(laws) < resamples else ""),
         "fitted_runs": [r.run.name for r in fitted],
         "held_out_runs": [r.run.name for r in rows if r.role == "holdout"],
         "excluded_runs": {r.run.name: r.result.status for r in rows if r.role == "excluded"},
