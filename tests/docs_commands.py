@@ -17,9 +17,13 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 - `# exits N`: exit status N and no Python traceback; a refusal (N = 2) in at most 15 lines of output;
 - any other command: exit status 0.
 
-Each runs with bash, in order, in one scratch copy of the repository (the files git sees: tracked, and
-untracked but not ignored), so that a command finds what the earlier ones wrote, with this Python's bin/
-first on PATH. What the runner changes, and why:
+Each runs with bash in a scratch copy of the repository (the files git sees: tracked, and untracked but not
+ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md
+run first, in order, in one copy; then the other documents run in LANES copies of that one at once (the
+machine's cores would otherwise idle through the commands' single-threaded start-up), each document whole
+and in order in one of them, the documents of a lane alphabetically. A command thus finds what README.md,
+getting_started.md and the earlier commands of its own document wrote: what a reader who follows the README
+and then one document sees. What the runner changes, and why:
 - The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
   command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
   is skipped.
@@ -51,7 +55,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +78,9 @@ TOOL_CUTS = {
 CHECKPOINT = re.compile(r"([\w./-]+)/checkpoint/step-(\d+)")
 REFUSED, MAX_REFUSAL_LINES = 2, 15
 TIMEOUT = 900  # seconds per command
+FIRST = ("README.md", "docs/getting_started.md")
+"""The documents every other one follows."""
+LANES = 2
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,10 @@ class Command:
     """As documented, continuation lines joined, without its trailing comment."""
     mark: str = ""
     """Its trailing comment."""
+
+    @property
+    def document(self) -> str:
+        return self.where.rpartition(":")[0]
 
     @property
     def skip(self) -> str | None:
@@ -281,7 +293,9 @@ def check(command: Command, status: int, output: str) -> str:
 
 def run(text: str, scratch: Path) -> tuple[int, str]:
     """Run `text` with bash in `scratch`; the exit status and the output (stdout and stderr)."""
-    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                        "OMP_NUM_THREADS": "1"}  # a lane's commands keep to a core: threads that wait for each
+    # other on a busy machine crawl (docs/benchmarks.md)
     process = subprocess.Popen(["bash", "-c", text], cwd=scratch, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -295,17 +309,53 @@ def run(text: str, scratch: Path) -> tuple[int, str]:
     return process.returncode, output
 
 
-def run_commands(repo: Path, scratch: Path) -> Iterator[Outcome]:
-    """Copy `repo` to `scratch` and run its documented commands there in order, one Outcome each."""
-    copy_repository(repo, scratch)
-    for command in read_commands(scratch):
-        ran = "" if command.skip else as_run(command, scratch)
-        if not ran:
-            yield Outcome(command)
-            continue
-        start = time.perf_counter()
-        status, output = run(ran, scratch)
-        yield Outcome(command, ran, status, time.perf_counter() - start, output, check(command, status, output))
+def run_command(command: Command, scratch: Path) -> Outcome:
+    ran = "" if command.skip else as_run(command, scratch)
+    if not ran:
+        return Outcome(command)
+    start = time.perf_counter()
+    status, output = run(ran, scratch)
+    return Outcome(command, ran, status, time.perf_counter() - start, output, check(command, status, output))
+
+
+def lanes_of(commands: list[Command], lanes: int) -> list[list[Command]]:
+    """The commands of each lane: whole documents, the one with most commands to run first into the lane with
+    fewest so far (longest-first greedy), then each lane's documents in alphabetical order."""
+    documents: dict[str, list[Command]] = {}
+    for command in commands:
+        documents.setdefault(command.document, []).append(command)
+    loads, members = [0] * lanes, [[] for _ in range(lanes)]
+    for name in sorted(documents, key=lambda d: -sum(not c.skip for c in documents[d])):
+        lane = loads.index(min(loads))
+        loads[lane] += sum(not c.skip for c in documents[name])
+        members[lane].append(name)
+    return [[c for name in sorted(names) for c in documents[name]] for names in members]
+
+
+def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
+                 progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
+    """Copy `repo` into `scratch` and run its documented commands there (the module's docstring says in which
+    copies and in what order); one Outcome each, in the documents' order. `progress` sees each as it ends."""
+    first = scratch / "lane-0"
+    copy_repository(repo, first)
+    commands = read_commands(first)
+    outcomes: dict[Command, Outcome] = {}
+
+    def run_lane(folder: Path, lane: list[Command]) -> None:
+        for command in lane:
+            outcomes[command] = run_command(command, folder)
+            progress(outcomes[command])
+
+    run_lane(first, [c for c in commands if c.document in FIRST])
+    groups = lanes_of([c for c in commands if c.document not in FIRST], lanes)
+    folders = [first]
+    for lane in range(1, lanes):
+        folders.append(scratch / f"lane-{lane}")
+        shutil.copytree(first, folders[-1], symlinks=True)
+    with ThreadPoolExecutor(lanes) as pool:
+        for done in [pool.submit(run_lane, folder, group) for folder, group in zip(folders, groups)]:
+            done.result()
+    return [outcomes[c] for c in commands]
 
 
 def _cell(text: str) -> str:
@@ -326,20 +376,24 @@ def report(outcomes: list[Outcome]) -> str:
                     f"{_cell(lines[0])} | {_cell(lines[-1])} |")
     total = sum(o.seconds for o in outcomes)
     failed = sum(bool(o.problem) for o in outcomes)
-    return "\n".join(rows) + f"\n\n{len(outcomes)} commands, {failed} not as documented, {total:.0f} s in all\n"
+    return "\n".join(rows) + f"\n\n{len(outcomes)} commands, {failed} not as documented, {total:.0f} s of commands\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, default=REPO, help="the repository to copy (default: this one)")
     parser.add_argument("--report", type=Path, help="write the report here (default: print it)")
+    parser.add_argument("--lanes", type=int, default=LANES, help=f"copies running at once (default {LANES})")
     args = parser.parse_args(argv)
-    outcomes = []
+
+    def progress(outcome: Outcome) -> None:
+        done = f"{outcome.status} in {outcome.seconds:.0f} s {outcome.problem}" if outcome.ran else "skipped"
+        print(f"{outcome.command.where}: {done}", file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="docs_commands_") as scratch:
-        for outcome in run_commands(args.repo.resolve(), Path(scratch)):
-            outcomes.append(outcome)
-            done = f"{outcome.status} in {outcome.seconds:.0f} s {outcome.problem}" if outcome.ran else "skipped"
-            print(f"{outcome.command.where}: {done}", file=sys.stderr, flush=True)
+        outcomes = run_commands(args.repo.resolve(), Path(scratch), args.lanes, progress)
+    print(f"{time.perf_counter() - start:.0f} s in all", file=sys.stderr)
     text = report(outcomes)
     if args.report:
         args.report.write_text(text)

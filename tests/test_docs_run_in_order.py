@@ -1,6 +1,7 @@
-"""Every command of README.md and docs/*.md runs as documented, in order, in a scratch copy of the
-repository with its steps cut short; tests/docs_commands.py states the rules. About 20 minutes on 2 CPU
-cores, nearly all of it the start-up of the 80-odd commands' processes."""
+"""Every command of README.md and docs/*.md runs as documented, in order, in scratch copies of the
+repository with its steps cut short; tests/docs_commands.py states the rules. The slowest test of the suite:
+the 90-odd commands that run take about 80 minutes of CPU, most of it their processes' start-up, spread over
+two copies at once."""
 
 import pytest
 from conftest import REPO
@@ -15,7 +16,7 @@ def describe(outcome) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_documented_commands_run_in_order(tmp_path):
-    outcomes = list(run_commands(REPO, tmp_path / "repo"))
+    outcomes = run_commands(REPO, tmp_path / "repo")
     (tmp_path / "report.md").write_text(report(outcomes))
     assert [o for o in outcomes if o.ran], "no documented command ran"
     failed = [o for o in outcomes if o.problem]
