@@ -1,6 +1,6 @@
 """Every command of README.md and docs/*.md runs as documented, in order, in scratch copies of the
 repository with its steps cut short; tests/docs_commands.py states the rules. The slowest test of the suite:
-the 90-odd commands that run take about 80 minutes of CPU, most of it their processes' start-up, spread over
+the 90-odd commands that run take about 50 minutes of CPU, most of it their processes' start-up, spread over
 two copies at once."""
 
 import pytest
