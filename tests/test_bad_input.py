@@ -44,6 +44,7 @@ def error_line(err: str) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_invalid_toml_names_file_line_and_column(tmp_path):
     (tmp_path / "bad.toml").write_text("[training]\nsteps = 3\nseq = = 4\n")
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "--job.config_file", "bad.toml"],

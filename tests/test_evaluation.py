@@ -188,6 +188,7 @@ def test_scripts_eval_on_two_processes_equals_the_in_loop_evaluation(checkpoint,
     assert result.stdout.count("| shakespeare_next_line | 24 |") == 1  # rank 0 prints, once
 
 
+@pytest.mark.slow
 def test_scripts_eval_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     result = run_eval(1, "--checkpoint", tmp_path / "nothing", "--tasks", TASK)
     assert result.returncode == 2

@@ -175,6 +175,7 @@ def test_an_unknown_optimizer_name_lists_the_valid_ones(train_in_process, capsys
 MOE = [*MUON, "--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "--checkpoint.enable", "false"]
 
 
+@pytest.mark.slow
 def test_muon_trains_a_mixture_of_experts_model(tmp_path, train_in_process):
     args = [*MOE, *ON_HF, "--training.steps", "10", "--training.local_batch_size", "4",
             "--training.global_batch_size", "4"]

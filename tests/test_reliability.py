@@ -336,6 +336,7 @@ def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, ca
     assert "does not fit this model: the checkpoint has model weight layers.1.attention" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_the_step_guard_still_resumes(tmp_path, train_in_process, monkeypatch, capsys):
     """A checkpoint without step_guard state (written before it existed, here rewritten without it
     and without integrity.json, as another tool would) resumes, with a warning, on the same curve."""

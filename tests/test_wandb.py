@@ -146,6 +146,7 @@ def test_only_rank_0_writes_a_wandb_run(tmp_path):
     assert sorted(history(wandb_records(path))) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_run_wandb_will_not_start_stops_at_start_up_with_one_line(tmp_path):
     """Online, with no API key anywhere (HOME without ~/.netrc): exit 2, the fixes named, nothing written."""
     dump = tmp_path / "run"
