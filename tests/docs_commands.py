@@ -324,10 +324,11 @@ def lanes_of(commands: list[Command], lanes: int) -> list[list[Command]]:
     documents: dict[str, list[Command]] = {}
     for command in commands:
         documents.setdefault(command.document, []).append(command)
+    to_run = {name: sum(not c.skip for c in group) for name, group in documents.items()}
     loads, members = [0] * lanes, [[] for _ in range(lanes)]
-    for name in sorted(documents, key=lambda d: -sum(not c.skip for c in documents[d])):
+    for name in sorted(documents, key=lambda d: -to_run[d]):
         lane = loads.index(min(loads))
-        loads[lane] += sum(not c.skip for c in documents[name])
+        loads[lane] += to_run[name]
         members[lane].append(name)
     return [[c for name in sorted(names) for c in documents[name]] for names in members]
 
