@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +46,24 @@ def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
+
+
+def on_rank0_for_all(check: Callable[..., None], *args) -> None:
+    """check(*args) on rank 0 alone (a check of the shared dump folder, say); where it raises, every rank raises
+    an exception of the same type and message, so that all of them stop alike rather than wait for rank 0."""
+    failure: list[tuple[type, str] | None] = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            check(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error, failure = e, [(type(e), str(e))]
+    dist.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        kind, message = failure[0]
+        raise kind(message)
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh) -> None:

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -85,9 +87,76 @@ def copy_tokenizer(tokenizer_path: str | Path, output: Path) -> None:
     shutil.copyfile(path, output / "tokenizer.model")
 
 
+CHECK_LAYERS, CHECK_VOCAB, CHECK_MAX_PARAMETERS = 2, 512, 300_000_000
+"""The copy of the model that check_hf_form runs: at most this many blocks and tokens, and run only when it has
+at most this many parameters."""
+
+
+def check_hf_form(package: ModuleType, args) -> None:
+    """Refuse a model whose Hugging Face form (the family's hf_config and to_hf) is not the same model, before
+    anything is written. The form is derived from the model's arguments (hidden_act, model_type, ...) or refused
+    by hf_config; this checks that the derivation holds for the code as it is, a fork's edits included: a copy of
+    the model with at most CHECK_LAYERS blocks, a vocabulary of CHECK_VOCAB and random weights is written as an HF
+    folder, transformers loads it, and both must give the same logits. Skipped, saying so, without transformers
+    or where that copy would exceed CHECK_MAX_PARAMETERS (the published shapes are tested by the suite)."""
+    name = package.__name__
+    try:
+        import transformers
+    except ImportError:
+        logger.info(f"{name}: the Hugging Face form is not checked against transformers (pip install transformers)")
+        return
+    config_json = package.hf_config(args)  # refuses what it cannot express
+    small = replace(args, n_layers=min(args.n_layers, CHECK_LAYERS), vocab_size=min(args.vocab_size, CHECK_VOCAB))
+    with torch.device("meta"):
+        model = package.Transformer(small)
+    size = sum(p.numel() for p in model.parameters())
+    if size > CHECK_MAX_PARAMETERS:
+        logger.info(f"{name}: the Hugging Face form is not checked: a {small.n_layers}-block copy of the model has "
+                    f"{size / 1e6:.0f}M parameters")
+        return
+    generator = torch.Generator().manual_seed(0)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():
+        for param in model.parameters():  # every weight distinct from its neighbours and norms away from 1
+            param.mul_(1 + 0.2 * torch.randn(param.shape, generator=generator))
+    tokens = torch.randint(small.vocab_size, (2, min(16, getattr(small, "max_seq_len", 16))), generator=generator)
+    with tempfile.TemporaryDirectory() as folder:
+        save_safetensors(package.to_hf(model.state_dict(), small), Path(folder) / "model.safetensors")
+        write_json(Path(folder) / "config.json", package.hf_config(small))
+        verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        try:
+            hf, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+            if bars:
+                transformers.logging.enable_progress_bar()
+    where = f"models/{name.split('.')[-1]}/hf_mapping.py"
+    unmatched = {kind: names for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                 if (names := [n for n in info.get(kind, ()) if n != "lm_head.weight" or not small.tie_embeddings])}
+    if unmatched:
+        shown = "; ".join(f"{kind.replace('_', ' ')}: {', '.join(map(str, names[:4]))}"
+                          for kind, names in unmatched.items())
+        raise ConfigError(f"{name}: the Hugging Face form ({config_json['architectures'][0]}) does not hold this "
+                          f"model's weights ({shown}): make to_hf and hf_config in {where} describe the model")
+    with torch.no_grad():
+        ours, theirs = model.eval()(tokens).float(), hf.eval()(tokens).logits.float()
+    error = ((ours - theirs).abs().max() / ours.abs().max().clamp(min=1e-6)).item()
+    if not error < 1e-4:
+        raise ConfigError(
+            f"{name}: its Hugging Face form ({config_json['architectures'][0]}, hidden_act "
+            f"{config_json.get('hidden_act')!r}) computes another model: logits {error:.1e} apart (relative) on a "
+            f"{small.n_layers}-block copy with random weights; make hf_config and to_hf in {where} describe what the "
+            "model computes (a changed activation belongs in ModelArgs.hidden_act)")
+
+
 def export(config: Config, checkpoint: Path, output: Path, dtype: str = "float32", max_shard_gb: float = 5.0) -> None:
-    """Write the model weights of a DCP checkpoint as an HF folder (e.g. LlamaForCausalLM's)."""
+    """Write the model weights of a DCP checkpoint as an HF folder (e.g. LlamaForCausalLM's), once the form
+    is checked (check_hf_form)."""
     package, args, tokenizer = model_and_args(config)
+    check_hf_form(package, args)
     output.mkdir(parents=True, exist_ok=True)
     files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
     ids = {"bos_id": none_if_negative(tokenizer.bos_id), "eos_id": none_if_negative(tokenizer.eos_id)}

@@ -22,11 +22,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
 
-from components.preemption import EXIT_PREEMPTED
+from components.stopping import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STOPPED
 
-EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3
-"""Exit statuses besides 0, 1 (a crash) and EXIT_PREEMPTED (75): a config or input that cannot be used; a run
-stopped by its step guard (non-finite values, too many skipped steps)."""
 KNOWN = (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
 LAUNCHED = "INGOT_LAUNCHER"

@@ -28,7 +28,7 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
     named = [key for key, used in unsupported.items() if used]
     if named:
         raise ConfigError(f"not available yet: {', '.join(named)}; leave these at their defaults")
-    if config.model.rope_per_document and not config.training.document_masking:
+    if getattr(config.model, "rope_per_document", False) and not config.training.document_masking:
         raise ConfigError(
             "model.rope_per_document needs training.document_masking = true (it restarts positions at document "
             "boundaries)"

@@ -11,8 +11,8 @@ from types import ModuleType
 from components.config import ConfigError
 
 MODEL_EXPORTS = (
-    "ModelArgs", "Transformer", "flavors", "build_model_args",
-    "parallelize", "tensor_parallel_plan", "split_for_pipeline", "stages_per_rank",
+    "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
+    "parallelize", "tensor_parallel_plan",
     "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 )
 

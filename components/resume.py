@@ -29,7 +29,7 @@ from components.checkpoint import RUN_RECORD, mismatch, saved_entries, step_fold
 from components.checkpoint_integrity import unused_name
 from components.config import Config, ConfigError
 from components.data.packed_format import tokenizer_fingerprint
-from components.preemption import PREEMPTED_FILE
+from components.stopping import PREEMPTED_FILE
 
 logger = logging.getLogger(__name__)
 

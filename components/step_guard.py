@@ -43,6 +43,13 @@ class StepGuard(Stateful):
         self.first_nonfinite_step, self.last_skipped_step = zero(), zero()
         self.reported = 0
 
+    def describe(self) -> str:
+        cfg = self.cfg
+        spikes = (f"skips steps {cfg.spike_sigma} sigma above the last {cfg.spike_window} accepted ones, "
+                  f"from step {cfg.spike_window + 1}" if cfg.spike_guard else "off")
+        nonfinite = "stops the run" if cfg.on_nonfinite == "stop" else "skips the step"
+        return f"step guard: a non-finite loss or gradient norm {nonfinite}; spike guard {spikes}"
+
     def decide(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """True (as a tensor) if step `step` must not update the weights; updates the counters."""
         values = torch.stack([loss.detach().double(), grad_norm.detach().double()])

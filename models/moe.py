@@ -14,6 +14,10 @@ mechanisms, usable together:
 
 Expert parallelism (parallelisms/expert_parallel.py) sets `MoE.dispatcher`, which sends each token to
 the rank holding its expert and brings the result back; without it all experts are local.
+
+Code outside the families finds these layers by the interface of components/moe_layer.py (`MoELayer`), which
+`MoE` has: a fork's copy of this module is recognised alike. The step's tally of what they routed, and the
+bias updates, are in components/routing.py.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from models.activations import activation
 
 
 @dataclass
@@ -48,6 +52,8 @@ class MoEArgs:
     aux_loss_type: str = "sequence"
     """sequence or global: the span over which the auxiliary loss measures balance."""
     z_loss_coef: float = 0.0
+    hidden_act: str = "silu"
+    """The experts' activation, by Hugging Face's name (models/activations.py): SwiGLU with silu."""
 
 
 def check_moe_args(args: MoEArgs, key_prefix: str = "moe.") -> None:
@@ -109,8 +115,9 @@ class GroupedExperts(nn.Module):
     (experts, dim, hidden). Under expert parallelism each is a DTensor sharded on dim 0 and this rank
     computes its own experts."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, hidden_act: str = "silu"):
         super().__init__()
+        self.act = activation(hidden_act)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -125,20 +132,21 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if use_grouped_mm(x):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = self.act(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
         outputs = []
         for i, chunk in enumerate(x.split(counts)):
-            outputs.append((F.silu(chunk @ w1[i].T) * (chunk @ w3[i].T)) @ w2[i].T)
+            outputs.append((self.act(chunk @ w1[i].T) * (chunk @ w3[i].T)) @ w2[i].T)
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
 class SharedExperts(nn.Module):
     """The feed-forward every token goes through besides its routed experts."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
         super().__init__()
+        self.act = activation(hidden_act)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -149,7 +157,7 @@ class SharedExperts(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class LocalDispatch:
@@ -168,8 +176,8 @@ class MoE(nn.Module):
         check_moe_args(args)
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
-        self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.hidden_act)
+        self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts, args.hidden_act)
                                if args.num_shared_experts else None)
         self.dispatcher = LocalDispatch()
         # The routing bias is state to checkpoint; the counts and the auxiliary loss are
@@ -180,6 +188,14 @@ class MoE(nn.Module):
         self.register_buffer("forwards", torch.zeros(()), persistent=False)
         self.aux_loss_scale = 1.0
         """Multiplies the auxiliary loss's gradient: 1 / gradient accumulation steps, like the training loss."""
+
+    @property
+    def num_experts(self) -> int:
+        return self.args.num_experts
+
+    @property
+    def bias_update_speed(self) -> float:
+        return self.args.bias_update_speed
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
@@ -240,53 +256,3 @@ def record_routing(moe: MoE, counts: torch.Tensor, aux_loss: torch.Tensor) -> No
         moe.tokens_per_expert.add_(counts.float())
         moe.aux_loss_sum.add_(aux_loss.detach())
         moe.forwards.add_(1)
-
-
-class RoutingTally:
-    """What the MoE layers routed during a step, over all ranks: moves the routing biases
-    (auxiliary-loss-free balancing) and gives the step's MoE metrics.
-
-    Every rank holds a tally per layer of the tokens it routed; one all-reduce over all ranks adds
-    them up (ranks of other pipeline stages contribute zeros for layers they do not hold), so every
-    rank then moves its biases by the same counts, whatever the layout."""
-
-    def __init__(self, model_parts: list[nn.Module], n_layers: int, micro_batches_per_step: int):
-        self.layers = {int(name.split(".")[1]): m for part in model_parts for name, m in part.named_modules()
-                       if isinstance(m, MoE)}
-        self.n_layers = n_layers
-        self.num_experts = max((m.args.num_experts for m in self.layers.values()), default=0)
-        self.update_bias = any(m.args.bias_update_speed > 0 for m in self.layers.values())
-        for moe in self.layers.values():  # averaged over the step's micro-batches, like the training loss
-            moe.aux_loss_scale = 1 / micro_batches_per_step
-
-    @torch.no_grad()
-    def end_step(self, skipped: torch.Tensor, metrics: bool) -> tuple[dict[str, float], dict[int, torch.Tensor]]:
-        """Call on every rank after the optimizer step (`skipped`: a boolean tensor, true where it was
-        not taken, which leaves the biases as they are). With `metrics`, returns {moe_aux_loss,
-        moe_max_load} and each layer's expert load (tokens per expert / their mean); else empty dicts."""
-        if not self.layers or not (self.update_bias or metrics):
-            for moe in self.layers.values():
-                moe.reset_tally()
-            return {}, {}
-        device = next(iter(self.layers.values())).tokens_per_expert.device
-        # Per layer: the experts' token counts, the auxiliary loss summed over forwards, the forwards.
-        tally = torch.zeros(self.n_layers, self.num_experts + 2, device=device)
-        for index, moe in self.layers.items():
-            tally[index, : moe.args.num_experts] = moe.tokens_per_expert
-            tally[index, -2], tally[index, -1] = moe.aux_loss_sum, moe.forwards
-            moe.reset_tally()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tally)
-        for index, moe in self.layers.items():
-            if moe.args.bias_update_speed > 0:
-                counts = tally[index, : moe.args.num_experts]
-                delta = moe.args.bias_update_speed * torch.sign(counts.mean() - counts)
-                moe.expert_bias.add_((delta - delta.mean()) * ~skipped)
-        if not metrics:
-            return {}, {}
-        rows = tally[sorted(self.layers)].cpu()
-        counts = rows[:, :-2]
-        load = counts / counts.mean(1, keepdim=True).clamp(min=1e-9)
-        aux = (rows[:, -2] / rows[:, -1].clamp(min=1)).mean()
-        figures = {"moe_aux_loss": aux.item(), "moe_max_load": load.max().item()}
-        return figures, {layer: load[i] for i, layer in enumerate(sorted(self.layers))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.moe import MoE
+from components.moe_layer import has_moe_layer
 
 
 def compile_blocks(blocks: nn.ModuleDict) -> None:
@@ -13,6 +13,7 @@ def compile_blocks(blocks: nn.ModuleDict) -> None:
 
     A dense block compiles as one graph. A mixture-of-experts block cannot: how many tokens each
     expert gets is data, which the expert computation and its all-to-all take as Python sizes, so
-    that part runs eagerly between the compiled graphs of the rest."""
+    that part runs eagerly between the compiled graphs of the rest. MoE layers are found by their interface
+    (components/moe_layer.py), whatever module defines them."""
     for block in blocks.values():
-        block.compile(fullgraph=not any(isinstance(m, MoE) for m in block.modules()))
+        block.compile(fullgraph=not has_moe_layer(block))

@@ -1,5 +1,5 @@
-"""Expert parallelism for the mixture-of-experts layers of models/moe.py, and how they are sharded
-under tensor parallelism and FSDP.
+"""Expert parallelism for mixture-of-experts layers (found by their interface, components/moe_layer.py: the
+layers of models/moe.py or of a fork's copy), and how they are sharded under tensor parallelism and FSDP.
 
 Each of the ep ranks holds num_experts / ep experts (their weights DTensors sharded on the expert
 dimension, so checkpoints hold every expert once and load at another ep degree). A token goes to the
@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from components.distributed import ParallelDims
-from models.moe import GroupedExperts, MoE
+from components.moe_layer import moe_layers
 from parallelisms.fsdp import offload_policy, resharding
 
 
@@ -41,7 +41,7 @@ class AllToAllDispatch:
         self.ep = ep_mesh.size()
 
     @torch.compiler.disable  # the split sizes are data: compiled, each new split would recompile
-    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (slots, dim) sorted by expert; counts: slots per expert (all experts, this rank's tokens)."""
         send = counts.view(self.ep, -1)  # [rank, that rank's expert]
         received = torch.empty_like(send)
@@ -60,8 +60,8 @@ class AllToAllDispatch:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard the experts of every MoE layer of `model` over `ep_mesh` and dispatch tokens to them."""
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        num_experts = moe.args.num_experts
+    for _, moe in moe_layers(model):
+        num_experts = moe.num_experts
         if num_experts % ep_mesh.size():
             raise ValueError(f"moe.num_experts {num_experts} must be divisible by "
                              f"parallelism.expert_parallel_degree {ep_mesh.size()}")
@@ -89,7 +89,7 @@ def shard_moe(model: nn.Module, dims: ParallelDims, fsdp: bool, param_dtype: tor
         return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = resharding(reshard_after_forward, dims.pp > 1)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+    for _, moe in moe_layers(model):
         for module, mesh in ((moe.experts, dims.expert_fsdp_mesh), (moe, dims.moe_fsdp_mesh)):
             fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
                         offload_policy=offload_policy(cpu_offload, mesh.device_type))

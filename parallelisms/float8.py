@@ -53,3 +53,16 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+class Float8ScalePrecompute:
+    """precompute_float8_scales after every optimizer step, as a feature of the training loop
+    (components/in_loop.py): float8.precompute_float8_dynamic_scale_for_fsdp."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def after_step(self, step: int, skipped, log: bool) -> dict[str, float]:
+        for part in self.model_parts:
+            precompute_float8_scales(part)
+        return {}

@@ -7,7 +7,10 @@ rank several smaller stages to shrink the pipeline bubble: looped ones (Interlea
 InterleavedZeroBubble) place stage s on rank s % pp, V-shaped ones (ZBVZeroBubble, DualPipeV) go
 down the ranks and back up, so that rank 0 holds both the first and the last stage.
 
-Model-specific code decides which modules go into which stage; the functions here are generic.
+Which modules go into which stage: `split_for_pipeline` serves every model that follows the package
+contract (docs/models.md: embeddings, blocks in the ModuleDict `layers`, norm and output, any of them
+None in a stage); a family with another structure exports its own split_for_pipeline, which
+`family_split` then picks.
 """
 
 from __future__ import annotations
@@ -107,6 +110,75 @@ def split_module(model: nn.Module, keep: list[str]) -> nn.Module:
     return part
 
 
+def pipeline_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[list[str]]:
+    """The module names each stage holds: embeddings in the first, norm and output in the last, and
+    the blocks in order, `layers_per_stage` per stage or split evenly (the first stages take one
+    more block each when they do not divide evenly)."""
+    if num_stages > n_layers:
+        raise ConfigError(
+            f"{num_stages} pipeline stages (parallelism.pipeline_parallel_degree x stages per rank) but "
+            f"model.n_layers is {n_layers}: every stage needs at least one block"
+        )
+    if layers_per_stage is not None:
+        if layers_per_stage * num_stages != n_layers:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} x {num_stages} stages = "
+                f"{layers_per_stage * num_stages} blocks, but model.n_layers is {n_layers}"
+            )
+        sizes = [layers_per_stage] * num_stages
+    else:
+        base, extra = divmod(n_layers, num_stages)
+        sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+    names, start = [], 0
+    for size in sizes:
+        names.append([f"layers.{i}" for i in range(start, start + size)])
+        start += size
+    names[0].insert(0, "tok_embeddings")
+    names[-1].extend(["norm", "output"])
+    return names
+
+
+def stages_per_rank(schedule_name: str, pp_size: int, n_layers: int, layers_per_stage: int | None) -> int:
+    """One for single-stage schedules, two for V schedules; looped multi-stage schedules take two, or
+    as many as `layers_per_stage` makes (n_layers / layers_per_stage stages over pp_size ranks)."""
+    if not is_multi_stage(schedule_name):
+        return 1
+    if is_v_style(schedule_name) or layers_per_stage is None:
+        return 2
+    num_stages, rest = divmod(n_layers, layers_per_stage)
+    if rest or num_stages % pp_size:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} must divide model.n_layers "
+            f"({n_layers}) into a multiple of parallelism.pipeline_parallel_degree ({pp_size}) stages"
+        )
+    return num_stages // pp_size
+
+
+def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, config: Config) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's pipeline stages of `model` (on meta, or materialized: its weights are copied):
+    (model_parts, stage_ids, num_stages), parts in the order of their stage ids."""
+    p = config.parallelism
+    if model.output is not None and model.tok_embeddings is not None and \
+            model.output.weight is model.tok_embeddings.weight:
+        # The first and last stages would each hold (and update) their own copy of the matrix.
+        raise ConfigError(
+            f"model.flavor {config.model.flavor} ties its embedding and output weights, which pipeline "
+            "parallelism does not support yet; use parallelism.pipeline_parallel_degree = 1"
+        )
+    pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_layers = len(model.layers)
+    per_rank = stages_per_rank(p.pipeline_parallel_schedule, pp_size, n_layers, p.pipeline_parallel_layers_per_stage)
+    num_stages = pp_size * per_rank
+    names = pipeline_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
+    stage_ids = stage_ids_for_rank(pp_rank, pp_size, per_rank, is_v_style(p.pipeline_parallel_schedule))
+    return [split_module(model, names[stage]) for stage in stage_ids], stage_ids, num_stages
+
+
+def family_split(model_package) -> Callable:
+    """The family's own split_for_pipeline where its package exports one (docs/models.md), else the one above."""
+    return getattr(model_package, "split_for_pipeline", split_for_pipeline)
+
+
 def check_microbatches(schedule_name: str, n_microbatches: int, pp_size: int, num_stages: int) -> None:
     """Refuse micro-batch counts the schedule cannot run, naming the keys that set them."""
     needed = {"1F1B": pp_size, "DualPipeV": num_stages}.get(schedule_name, 1)
@@ -165,6 +237,8 @@ class Pipeline:
     schedule: schedules._PipelineSchedule
     has_first_stage: bool
     has_last_stage: bool
+    n_microbatches: int
+    """Pipeline micro-batches per local batch."""
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> list[torch.Tensor]:
         """Forward (and with `train`, backward) every micro-batch of one batch through the pipeline.
@@ -223,5 +297,6 @@ def build_pipeline(
     ]
     n_microbatches = local_batch // mb_size
     schedule = build_pipeline_schedule(stages, p.pipeline_parallel_schedule, n_microbatches, loss_fn, grad_accum_steps)
-    return Pipeline(schedule, has_first_stage=0 in stage_ids, has_last_stage=num_stages - 1 in stage_ids)
+    return Pipeline(schedule, has_first_stage=0 in stage_ids, has_last_stage=num_stages - 1 in stage_ids,
+                    n_microbatches=n_microbatches)
 

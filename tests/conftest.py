@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,13 +98,15 @@ def read_csv(path: Path) -> list[dict]:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Fail the test if the sweep runner launches anything; no GPUs (so no torch import either)."""
+    """Fail the test if the sweep runner launches anything; no GPUs (so no torch import either). Only the runner's
+    own view of the subprocess module refuses: anything else may start processes (matplotlib's first import runs
+    fc-list to build its font cache)."""
     from scripts.sweep import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"launched {args}")
 
-    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(launch, "subprocess", SimpleNamespace(**(vars(subprocess) | {"Popen": refuse})))
     monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 

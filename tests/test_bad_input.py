@@ -102,7 +102,7 @@ def test_tensor_parallel_degree_that_does_not_divide_the_heads():
 
 
 def test_more_pipeline_stages_than_layers():
-    from models.llama3.pipeline import pipeline_module_names
+    from parallelisms.pipeline import pipeline_module_names
 
     with pytest.raises(ConfigError) as error:
         pipeline_module_names(n_layers=2, num_stages=4)

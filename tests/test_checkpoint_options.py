@@ -65,7 +65,7 @@ def test_exporting_at_the_end_needs_checkpoints(tmp_path, train_in_process, caps
 
 
 def test_a_model_without_a_hugging_face_form_is_refused_before_training(tmp_path, train_in_process, capsys):
-    assert train_in_process([*ARGS, "--checkpoint.last_save_in_hf", "true", "--model.qk_norm", "true",
+    assert train_in_process([*ARGS, "--checkpoint.last_save_in_hf", "true", "--model.mup", "true",
                              "--job.dump_folder", str(tmp_path)]) == 2
-    assert "qk_norm" in capsys.readouterr().err
+    assert "model.mup: Hugging Face's LlamaForCausalLM has no output multiplier" in capsys.readouterr().err
     assert not (tmp_path / "checkpoint").exists()

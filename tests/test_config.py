@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from components.config import REPO_ROOT, Config, ConfigError, load_config, markdown_reference, to_toml
+from components.config import REPO_ROOT, Config, ConfigError, load_config, to_toml
+from components.config.reference import markdown_reference
 
 
 def test_defaults_then_file_then_cli():
@@ -51,6 +52,25 @@ def test_bad_input_names_the_key(argv, message):
     with pytest.raises(ConfigError) as info:
         load_config(argv)
     assert message in str(info.value)
+
+
+def test_each_family_owns_its_model_keys_and_refuses_another_familys_naming_itself(tmp_path):
+    """A key is checked against the family that model.name picks, wherever model.name is set (file or command
+    line, before or after the key): Llama's QK-norm switch is not a Qwen3 key (Qwen3 always has QK-norm)."""
+    assert load_config(["--model.qk_norm", "true"]).model.qk_norm is True
+    assert type(load_config(["--job.config_file", "debug_moe.toml"]).model).__module__ == "models.qwen3.config"
+    refused = "unknown config key 'model.qk_norm': the model family qwen3 does not define it; its keys are name, "
+    with pytest.raises(ConfigError, match=refused):
+        load_config(["--model.qk_norm", "true", "--model.name", "qwen3"])
+    in_file = tmp_path / "qwen.toml"
+    in_file.write_text('[model]\nname = "qwen3"\nmultiple_of = 256\n')
+    with pytest.raises(ConfigError, match=r"qwen.toml: unknown config key 'model.multiple_of': the model family qwen3"):
+        load_config(["--job.config_file", str(in_file)])
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.ffn_dimm' for the model family qwen3 \(did you "
+                                          r"mean model.ffn_dim\?\)"):
+        load_config(["--model.name", "qwen3", "--model.ffn_dimm", "3"])
+    with pytest.raises(ConfigError, match="model.name 'llama9': there is no package models/llama9"):
+        load_config(["--model.name", "llama9"])
 
 
 def test_bad_toml_files(tmp_path):

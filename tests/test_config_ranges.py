@@ -8,24 +8,28 @@ import pytest
 import torch
 from conftest import TINY
 
-from components.config import ALL_KEYS, RANGES, SECTIONS, Config, ConfigError, field_types, load_config
+from components.config import ConfigError, all_keys, all_ranges, field_types, load_config
+from components.config.reference import families
 from components.metrics import slow_step_warning
 
+CONFIGS = {family: load_config(["--model.name", family]) for family in families()}
+"""Every family's defaults: the [model] keys, and so their ranges, are the family's own."""
 
-def value_type(key: str):
+
+def value_type(config, key: str):
     """int or float for a numeric key (optional or not), else None."""
     section, _, name = key.partition(".")
-    typ = field_types(SECTIONS[section])[name]
+    typ = field_types(type(getattr(config, section)))[name]
     return next((t for t in (typ, *typing.get_args(typ)) if t in (int, float)), None)
 
 
-def numeric_keys() -> list[str]:
-    return [key for key in ALL_KEYS if value_type(key)]
+def numeric_keys(config) -> list[str]:
+    return [key for key in all_keys(config) if value_type(config, key)]
 
 
-def out_of_range(key: str) -> list[float]:
+def out_of_range(config, key: str) -> list[float]:
     """Values just outside the key's range (and, for a float, not finite), of the key's type."""
-    allowed, typ = RANGES[key], value_type(key)
+    allowed, typ = all_ranges(config)[key], value_type(config, key)
     candidates = [bound + step for bound, step in ((allowed.low, -1), (allowed.low, -2), (allowed.high, 1))
                   if bound is not None]
     if allowed.open_low:
@@ -37,26 +41,30 @@ def out_of_range(key: str) -> list[float]:
     return [typ(value) for value in candidates if not allowed.allows(value)]
 
 
-def test_every_numeric_key_has_a_range_and_the_defaults_are_in_it():
-    assert sorted(numeric_keys()) == sorted(RANGES)
-    load_config([])  # every default in range
-    config = Config()
-    for key, allowed in RANGES.items():
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_numeric_key_has_a_range_and_the_defaults_are_in_it(family):
+    config = CONFIGS[family]
+    assert sorted(numeric_keys(config)) == sorted(all_ranges(config))
+    for key, allowed in all_ranges(config).items():
         section, _, name = key.partition(".")
         value = getattr(getattr(config, section), name)
         assert value is None or allowed.allows(value), key
 
 
-@pytest.mark.parametrize("key", sorted(RANGES))
-def test_each_numeric_key_refuses_values_out_of_its_range(key):
-    values = out_of_range(key)
+CASES = sorted({key: family for family, config in reversed(CONFIGS.items()) for key in all_ranges(config)}.items())
+"""Each numeric key with a family that has it (the first in name order)."""
+
+
+@pytest.mark.parametrize("key, family", CASES)
+def test_each_numeric_key_refuses_values_out_of_its_range(key, family):
+    values = out_of_range(CONFIGS[family], key)
     assert values, key
     for value in values:
         with pytest.raises(ConfigError) as error:
-            load_config([f"--{key}", str(value)])
+            load_config(["--model.name", family, f"--{key}", str(value)])
         message = str(error.value)
         assert message.startswith(f"{key} must be ") and message.endswith(f", got {value!r}"), message
-        assert RANGES[key].describe() in message and "\n" not in message
+        assert all_ranges(CONFIGS[family])[key].describe() in message and "\n" not in message
 
 
 @pytest.mark.parametrize("key, value, expected", [

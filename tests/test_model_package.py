@@ -1,6 +1,7 @@
 """The model-package contract (docs/models.md): every model exports it, and forking Llama 3 as the
 docs say gives a model that trains alone and under tensor parallelism with the same losses and weights."""
 
+import json
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, losses
+from conftest import REPO, TINY, losses, metric_lines
 
 from components.config import ConfigError
 from components.model_package import MODEL_EXPORTS, import_model_package
@@ -99,3 +100,149 @@ def test_a_forked_model_with_qk_norm_trains_alike_on_one_process_and_under_tenso
                                "--job.dump_folder", str(tmp_path / "llama")], cwd=REPO, capture_output=True, text=True)
     assert baseline.returncode == 0
     assert losses(tmp_path / "llama")[1] != one[1]  # the QK norms change the model
+
+
+def fork_qwen3_with_its_own_moe(root: Path, name: str = "mymoe") -> Path:
+    """A fork of Qwen3 under `root`/models with its own copy of models/moe.py (models/<name>/moe.py), whose MoE
+    class is therefore not models.moe.MoE."""
+    fork = root / "models" / name
+    shutil.copytree(REPO / "models" / "qwen3", fork, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(REPO / "models" / "moe.py", fork / "moe.py")
+    for path in fork.glob("*.py"):
+        path.write_text(path.read_text().replace("models.qwen3", f"models.{name}")
+                        .replace("from models.moe import", f"from models.{name}.moe import"))
+    return fork
+
+
+MOE_FORK_RUN = ["--job.config_file", "debug_moe.toml", "--model.name", "mymoe", *TINY[2:], "--training.steps", "3",
+                "--metrics.log_freq", "1", "--training.global_batch_size", "8"]
+
+
+@pytest.fixture
+def moe_fork(tmp_path, monkeypatch):
+    """The fork, importable in this process (a second portion of the `models` namespace package)."""
+    import models
+
+    fork_qwen3_with_its_own_moe(tmp_path)
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path / "models")])
+    return tmp_path
+
+
+def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_compile_rule(moe_fork, train_in_process,
+                                                                                         monkeypatch):
+    """Shared code finds MoE layers by interface (components/moe_layer.py): the fork's routing biases move and its
+    MoE metrics are logged (with models.moe.MoE recognised by class the biases stayed 0.0), and compile leaves
+    the data-dependent expert computation out of the blocks' graphs."""
+    import models.moe
+    from models.mymoe import model as fork_model
+
+    assert fork_model.MoE is not models.moe.MoE
+    dump = moe_fork / "run"
+    assert train_in_process([*MOE_FORK_RUN, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+                             "--job.dump_folder", str(dump)]) == 0
+    records = [m for m in metric_lines(dump) if "loss" in m]
+    assert len(records) == 3 and all(m["moe_max_load"] >= 1 and "moe_aux_loss" in m for m in records)
+    biases = {f"model.layers.{i}.feed_forward.expert_bias": torch.empty(8) for i in range(2)}
+    with one_process():
+        dcp.load(biases, checkpoint_id=str(dump / "checkpoint" / "step-3"), no_dist=True)
+    assert all(bias.abs().max() > 1e-4 for bias in biases.values()), biases
+
+    from components.config import load_config
+    from parallelisms.compile import compile_blocks
+
+    package = import_model_package("mymoe")
+    with torch.device("meta"):
+        model = package.Transformer(package.build_model_args(load_config(MOE_FORK_RUN), 4096))
+    fullgraph = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: fullgraph.append(kwargs["fullgraph"]))
+    compile_blocks(model.layers)
+    assert fullgraph == [False, False]
+
+
+@pytest.mark.slow
+def test_a_fork_with_its_own_moe_module_trains_under_expert_parallel_like_one_process(tmp_path):
+    fork_qwen3_with_its_own_moe(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+    runs = {"one": (1, ["--training.local_batch_size", "8"]),
+            "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"])}
+    for name, (nproc, extra) in runs.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(REPO / "train.py"), *MOE_FORK_RUN, *extra, "--job.dump_folder", str(tmp_path / name)]
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(tmp_path / "ep2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+
+FORK_PATCH = REPO / "docs" / "assets" / "fork_hidden_act.patch"
+
+
+def test_the_docs_show_the_fork_patch_they_apply():
+    shown = (REPO / "docs" / "models.md").read_text().split("```diff\n")[1].split("```")[0]
+    assert shown == FORK_PATCH.read_text()
+
+
+@pytest.mark.slow
+def test_the_docs_fork_walkthrough_ends_with_an_export_that_transformers_reloads_to_the_same_logits(tmp_path,
+                                                                                                   monkeypatch):
+    """docs/models.md: copy, point the imports at the copy, git apply the knob, train with it, export; the fork's
+    trained logits and transformers' of the export agree. The key is the fork's: Llama 3 refuses it."""
+    transformers = pytest.importorskip("transformers")
+    import models
+
+    fork = tmp_path / "models" / "mymodel"
+    shutil.copytree(REPO / "models" / "llama3", fork, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in fork.glob("*.py"):
+        path.write_text(path.read_text().replace("models.llama3", "models.mymodel"))
+    subprocess.run(["git", "apply", str(FORK_PATCH)], cwd=tmp_path, check=True)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+    dump = tmp_path / "run"
+    run = [*TINY, "--model.name", "mymodel", "--model.hidden_act", "gelu_pytorch_tanh", "--training.steps", "4",
+           "--checkpoint.enable", "true", "--checkpoint.interval", "4", "--job.dump_folder", str(dump)]
+    export = ["-m", "scripts.hf", "export", "--job.config_file", str(dump / "config.toml"),
+              "--checkpoint", str(dump / "checkpoint" / "step-4"), "--output", str(tmp_path / "hf")]
+    for cmd in ([str(REPO / "train.py"), *run], export):
+        result = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
+
+    from components.checkpoint import ModelState
+    from components.config import load_config
+
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path / "models")])
+    package = import_model_package("mymodel")
+    config = load_config(["--job.config_file", str(dump / "config.toml")])
+    with torch.device("meta"):
+        model = package.Transformer(package.build_model_args(config, 4096))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with one_process():
+        dcp.load({"model": ModelState([model])}, checkpoint_id=str(dump / "checkpoint" / "step-4"), no_dist=True)
+    ids = torch.randint(4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(ids)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    error = ((ours - theirs).abs().max() / ours.abs().max()).item()
+    print(f"\nthe docs' fork (GeGLU), ingot vs transformers logits: relative error {error:.1e}")
+    assert error < 1e-5
+    with pytest.raises(ConfigError, match="unknown config key 'model.hidden_act'"):
+        load_config(["--model.name", "llama3", "--model.hidden_act", "gelu"])
+
+
+def test_an_export_refuses_a_model_its_hugging_face_form_does_not_compute(monkeypatch):
+    """A fork that changes the activation in FeedForward.forward rather than through hidden_act: the form still
+    says silu, and the export's check of the form says they differ, before anything is written."""
+    import torch.nn.functional as F
+
+    import models.llama3.model as llama_model
+    from components.config import load_config
+    from components.hf_export import check_hf_form
+
+    pytest.importorskip("transformers")
+    package = import_model_package("llama3")
+    args = package.build_model_args(load_config([]), 4096)
+    check_hf_form(package, args)
+    monkeypatch.setattr(llama_model.FeedForward, "forward", lambda self, x: self.w2(F.gelu(self.w1(x)) * self.w3(x)))
+    with pytest.raises(ConfigError, match=r"models.llama3: its Hugging Face form \(LlamaForCausalLM, hidden_act "
+                                          r"'silu'\) computes another model: logits .* apart"):
+        check_hf_form(package, args)

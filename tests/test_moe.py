@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from models.moe import MoE, MoEArgs, RoutingTally
+from components.routing import RoutingTally
+from models.moe import MoE, MoEArgs
 from parallelisms.expert_parallel import apply_expert_parallel
 
 DIM = 16

@@ -13,7 +13,6 @@ from components.config import ConfigError, Optimizer as OptimizerConfig, load_co
 from components.muon import Muon
 from components.optim import Optimizers
 from models.llama3 import build_model_args, hf_config
-from models.qwen3 import build_model_args as qwen3_model_args
 from scripts import coord_check
 
 STEPS = 6
@@ -116,8 +115,8 @@ def test_the_coord_check_script_writes_a_png(tmp_path, capsys):
 def test_a_mup_model_has_no_hugging_face_form_and_qwen3_refuses_it():
     with pytest.raises(ValueError, match="model.mup: Hugging Face's LlamaForCausalLM has no output multiplier"):
         hf_config(wide(128))
-    with pytest.raises(ValueError, match=r"model.mup \(µP\) is implemented for Llama 3 only"):
-        qwen3_model_args(load_config(["--job.config_file", "debug_qwen3.toml", "--model.mup", "true"]), 4096)
+    with pytest.raises(ConfigError, match="unknown config key 'model.mup': the model family qwen3 does not define it"):
+        load_config(["--job.config_file", "debug_qwen3.toml", "--model.mup", "true"])
     with pytest.raises(ConfigError, match="model.mup_base_dim must be"):
         load_config([*RUN, "--model.mup_base_dim", "0"])
 

@@ -15,14 +15,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from components.config import Config, ConfigError
 from models.llama3 import ModelArgs, Transformer
-from models.llama3.pipeline import pipeline_module_names, split_llama
 from parallelisms.pipeline import (
     build_pipeline,
     check_microbatches,
     is_multi_stage,
     is_v_style,
     offered_schedules,
+    pipeline_module_names,
     schedule_class,
+    split_for_pipeline,
     split_module,
     stage_ids_for_rank,
 )
@@ -113,36 +114,36 @@ def test_split_module_keeps_names_and_drops_the_rest():
         split_module(model, ["layers.9"])
 
 
-def test_split_llama_parts_per_schedule():
+def test_split_for_pipeline_parts_per_schedule():
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parts, ids, n = split_llama(model, fake_mesh(2, 0), make_config("1F1B"))
+    parts, ids, n = split_for_pipeline(model, fake_mesh(2, 0), make_config("1F1B"))
     assert (ids, n, list(parts[0].layers)) == ([0], 2, ["0", "1"])
-    parts, ids, n = split_llama(model, fake_mesh(2, 1), make_config("Interleaved1F1B"))
+    parts, ids, n = split_for_pipeline(model, fake_mesh(2, 1), make_config("Interleaved1F1B"))
     assert (ids, n, [list(p.layers) for p in parts]) == ([1, 3], 4, [["1"], ["3"]])
     assert parts[1].output is not None and parts[0].tok_embeddings is None
     if "ZBVZeroBubble" in offered_schedules():
-        parts, ids, n = split_llama(model, fake_mesh(2, 0), make_config("ZBVZeroBubble"))
+        parts, ids, n = split_for_pipeline(model, fake_mesh(2, 0), make_config("ZBVZeroBubble"))
         assert (ids, n) == ([0, 3], 4)
         assert parts[0].tok_embeddings is not None and parts[1].output is not None
 
 
-def test_split_llama_layers_per_stage_sets_the_stages_of_looped_schedules():
+def test_split_for_pipeline_layers_per_stage_sets_the_stages_of_looped_schedules():
     with torch.device("meta"):
         model = Transformer(ModelArgs(**{**vars(ARGS), "n_layers": 8}))
-    parts, ids, n = split_llama(model, fake_mesh(2, 1), make_config("Interleaved1F1B", layers_per_stage=1))
+    parts, ids, n = split_for_pipeline(model, fake_mesh(2, 1), make_config("Interleaved1F1B", layers_per_stage=1))
     assert (ids, n) == ([1, 3, 5, 7], 8)
     with pytest.raises(ConfigError, match="pipeline_parallel_layers_per_stage 3"):
-        split_llama(model, fake_mesh(2, 0), make_config("Interleaved1F1B", layers_per_stage=3))
+        split_for_pipeline(model, fake_mesh(2, 0), make_config("Interleaved1F1B", layers_per_stage=3))
     with pytest.raises(ConfigError, match="pipeline_parallel_layers_per_stage 2 x 2 stages"):
-        split_llama(model, fake_mesh(2, 0), make_config("1F1B", layers_per_stage=2))
+        split_for_pipeline(model, fake_mesh(2, 0), make_config("1F1B", layers_per_stage=2))
 
 
-def test_split_llama_refuses_tied_embeddings():
+def test_split_for_pipeline_refuses_tied_embeddings():
     with torch.device("meta"):
         model = Transformer(ModelArgs(**{**vars(ARGS), "tie_embeddings": True}))
     with pytest.raises(ConfigError, match="ties its embedding"):
-        split_llama(model, fake_mesh(2, 0), make_config("1F1B"))
+        split_for_pipeline(model, fake_mesh(2, 0), make_config("1F1B"))
 
 
 def test_local_batch_must_be_a_multiple_of_the_microbatch():
@@ -167,7 +168,7 @@ def compare_schedule(name: str, pp_mesh) -> list[str]:
     full.init_weights()
     tokens = torch.randint(0, ARGS.vocab_size, (8, ARGS.max_seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    parts, stage_ids, num_stages = split_llama(full, pp_mesh, make_config(name))  # as train.py on CPU
+    parts, stage_ids, num_stages = split_for_pipeline(full, pp_mesh, make_config(name))  # as train.py on CPU
     ref_loss = cross_entropy(full(inputs), labels)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in full.named_parameters()}

@@ -342,7 +342,7 @@ def test_a_checkpoint_from_before_the_step_guard_still_resumes(tmp_path, train_i
     and without integrity.json, as another tool would) resumes, with a warning, on the same curve."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from components.preemption import StopSignals
+    from components.stopping import StopSignals
 
     args = [*RUN, "--job.dump_folder", str(tmp_path)]
     calls = iter(range(1, STEPS + 1))

@@ -1,6 +1,7 @@
 """Stability options for long runs: z-loss on the output logits (training.z_loss) and QK-norm for Llama 3
 (model.qk_norm). Both are off by default, which leaves the model and its losses as they were."""
 
+import json
 import math
 import shutil
 import sys
@@ -122,17 +123,21 @@ def test_negative_z_loss_is_refused_at_start_up_naming_the_key(train_in_process,
     assert "training.z_loss must be >= 0 (0: off), got -0.0001" in capsys.readouterr().err
 
 
-def test_a_llama_with_qk_norm_has_no_hugging_face_form():
-    """LlamaForCausalLM has no QK-norm: export (to_hf), import and loading (hf_config) refuse, naming the key."""
+def test_a_llama_with_qk_norm_exports_as_qwen3_which_transformers_computes_alike():
+    """Llama with QK-norm is Qwen3's architecture for transformers: hf_config derives that form from the args,
+    and check_hf_form's round trip through transformers gives the same logits."""
+    from components.hf_export import check_hf_form
+    from models import llama3
+
     args = tiny_model_args(qk_norm=True)
-    for convert in (lambda: hf_config(args), lambda: to_hf({}, args)):
-        with pytest.raises(ValueError, match="model.qk_norm: Hugging Face's LlamaForCausalLM has no QK-norm"):
-            convert()
+    assert hf_config(args)["architectures"] == ["Qwen3ForCausalLM"] and hf_config(args)["head_dim"] == 16
+    assert "model.layers.0.self_attn.q_norm.weight" in to_hf({"layers.0.attention.q_norm.weight": 1}, args)
+    check_hf_form(llama3, args)
 
 
 def test_both_options_train_and_resume_bitwise(train_in_process, tmp_path, capsys):
     """12 steps straight == 6 steps, then a resume from the step-6 checkpoint to 12: losses and z-losses.
-    The checkpoint does not export to a Hugging Face Llama folder."""
+    The checkpoint exports as a Qwen3ForCausalLM folder."""
     args = [*STABLE, "--training.steps", "12", "--checkpoint.enable", "true", "--checkpoint.interval", "6"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train_in_process([*args, "--job.dump_folder", str(straight)]) == 0
@@ -146,8 +151,8 @@ def test_both_options_train_and_resume_bitwise(train_in_process, tmp_path, capsy
     assert z_losses(resumed) == {s: z_losses(straight)[s] for s in range(7, 13)}
     capsys.readouterr()
     assert hf_converter(["export", "--checkpoint", str(straight / "checkpoint" / "step-12"),
-                         "--output", str(tmp_path / "hf"), *args]) == 2
-    assert "model.qk_norm: Hugging Face's LlamaForCausalLM has no QK-norm" in capsys.readouterr().err
+                         "--output", str(tmp_path / "hf"), *args]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3"
 
 
 @pytest.fixture(scope="module")

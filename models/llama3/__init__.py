@@ -3,10 +3,10 @@ Hugging Face names. `__all__` below is this package's side of the model-package 
 (docs/models.md): the only names train.py, components/ and scripts/ use. A forked model exports the same."""
 
 from components.config import Config
+from models.llama3.config import ModelConfig
 from models.llama3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
 from models.llama3.model import ModelArgs, Transformer
 from models.llama3.parallelize import parallelize_llama as parallelize, tensor_parallel_plan
-from models.llama3.pipeline import split_llama as split_for_pipeline, stages_per_rank
 
 _LLAMA31_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=8.0)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=32.0)
@@ -60,10 +60,10 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
 
 
 __all__ = [
-    # the model
-    "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # the model and its [model] keys
+    "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
     # parallelism
-    "parallelize", "tensor_parallel_plan", "split_for_pipeline", "stages_per_rank",
+    "parallelize", "tensor_parallel_plan",
     # Hugging Face interop
     "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 ]

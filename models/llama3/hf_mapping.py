@@ -1,5 +1,7 @@
 """Hugging Face interop for Llama 3: ingot's state-dict names <-> transformers' LlamaForCausalLM
-names, and ModelArgs <-> the fields of its config.json (LlamaConfig).
+names, and ModelArgs <-> the fields of its config.json (LlamaConfig). Every field is derived from the
+model's arguments; a Llama with QK-norm (model.qk_norm) is Qwen3's architecture for transformers and is
+written as a Qwen3ForCausalLM; a µP model (model.mup) has no form and is refused.
 
 The weight mapping is a pure renaming. ingot's RoPE uses HF's rotate-half layout (see
 model.Transformer), so q and k need no permutation, and any shard of a weight (an FSDP row block,
@@ -15,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from models.activations import ACTIVATIONS
 from models.llama3.model import ModelArgs
 
 _TOP_LEVEL = {
@@ -32,6 +35,8 @@ _IN_BLOCK = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # with qk_norm (the Qwen3 form)
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
 _FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
@@ -48,6 +53,7 @@ HF_CONFIG_KEYS = {
     "num_attention_heads": "model.n_heads",
     "num_key_value_heads": "model.n_kv_heads",
     "head_dim": "model.dim / model.n_heads",
+    "hidden_act": "the model's hidden_act (silu)",
     "rms_norm_eps": "model.norm_eps",
     "rope_theta": "model.rope_theta",
     "rope_scaling": "model.use_rope_scaling / model.rope_scaling_factor",
@@ -79,15 +85,10 @@ def ingot_name(name: str) -> str:
 
 
 def check_llama_form(args: ModelArgs) -> None:
-    """Refuse a model that LlamaForCausalLM cannot express: one with QK-norm (model.qk_norm) or µP's
-    output multiplier (model.mup)."""
+    """Refuse a model that no Hugging Face Llama form can express: one with µP's output multiplier (model.mup)."""
     if args.mup_base_dim:
         raise ValueError("model.mup: Hugging Face's LlamaForCausalLM has no output multiplier, so a µP model cannot "
                          "be exported to or loaded from a Llama folder")
-    if args.qk_norm:
-        raise ValueError("model.qk_norm: Hugging Face's LlamaForCausalLM has no QK-norm, so this model cannot be "
-                         "exported to or loaded from a Llama folder; train Qwen3 (model.name qwen3, which has "
-                         "QK-norm and a Hugging Face form) for that")
 
 
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
@@ -114,7 +115,8 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
 
 
 def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:
-    """config.json of the LlamaForCausalLM equal to an ingot model with these args."""
+    """config.json of the LlamaForCausalLM (with QK-norm: Qwen3ForCausalLM, which is Llama with QK-norm) equal
+    to an ingot model with these args."""
     check_llama_form(args)
     rope_scaling = None
     if args.use_rope_scaling:
@@ -125,9 +127,9 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
             "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_seq_len,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    form = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+            "sliding_window": None} if args.qk_norm else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return form | {
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
@@ -135,7 +137,7 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads or args.n_heads,
         "head_dim": args.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": args.hidden_act,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
@@ -172,9 +174,9 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     Where the shape is one of ingot's flavors, that flavor's args are returned (with the vocabulary
     and context of the checkpoint). Otherwise the FFN size is kept through `ffn_dim` when Llama's
     sizing rule (multiple_of 256, no multiplier) does not give intermediate_size."""
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError("only Llama models with SiLU and no biases are supported "
-                         "(hidden_act, attention_bias, mlp_bias)")
+    if config.get("hidden_act", "silu") not in ACTIVATIONS or config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"only Llama models with no biases and one of the activations {', '.join(ACTIVATIONS)} are "
+                         "supported (attention_bias, mlp_bias, hidden_act)")
     heads = config["num_attention_heads"]
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         raise ValueError(f"head_dim {config['head_dim']} is not hidden_size / num_attention_heads, which ingot assumes")
@@ -189,6 +191,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         rope_theta=theta,
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=config.get("tie_word_embeddings", False),
+        hidden_act=config.get("hidden_act", "silu"),
+        qk_norm=config.get("model_type") == "qwen3",
     )
     if scaling:
         args.use_rope_scaling = True

@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from components.data.documents import document_positions
+from models.activations import activation
 from models.attention import apply_rope, causal_attention, document_mask, masked_attention
 
 
@@ -39,6 +39,8 @@ class ModelArgs:
     ffn_dim: int | None = None
     """The feed-forward hidden size, when set; unset: computed from dim, multiple_of and
     ffn_dim_multiplier as Llama does (for imported models whose size that rule does not give)."""
+    hidden_act: str = "silu"
+    """The feed-forward's activation, by Hugging Face's name (models/activations.py): SwiGLU with silu."""
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_rope_scaling: bool = False
@@ -162,8 +164,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """Gated: w2(act(w1 x) * w3 x), SwiGLU with act = silu."""
+
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
         super().__init__()
+        self.act = activation(hidden_act)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -174,14 +179,14 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.hidden_act)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers

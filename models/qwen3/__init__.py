@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from components.config import Config
 from models.moe import MoEArgs, check_moe_args
+from models.qwen3.config import ModelConfig
 from models.qwen3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
 from models.qwen3.model import ModelArgs, Transformer
 from models.qwen3.parallelize import parallelize_qwen3 as parallelize, tensor_parallel_plan
-from models.qwen3.pipeline import split_qwen3 as split_for_pipeline, stages_per_rank
 
 # The published Qwen3 configs; every one has head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6 (the
 # ModelArgs defaults) and 151936 tokens, which the tokenizer's vocabulary replaces in training.
@@ -34,8 +34,6 @@ flavors = {
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings",
                "vocab_size")
-# [model] keys of Llama 3 that Qwen3 has no use for: an error rather than silently ignored.
-NOT_APPLICABLE = ("multiple_of", "ffn_dim_multiplier", "use_rope_scaling", "rope_scaling_factor")
 # [moe] keys that, when set, replace the flavor's value; the section's other keys always apply.
 MOE_OVERRIDABLE = ("num_experts", "top_k", "hidden_dim")
 
@@ -45,12 +43,6 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     for an MoE flavor the [moe] section's settings."""
     if config.model.flavor not in flavors:
         raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
-    if config.model.mup:
-        raise ValueError("model.mup (µP) is implemented for Llama 3 only (docs/mup.md)")
-    for key in NOT_APPLICABLE:
-        if getattr(config.model, key) is not None:
-            raise ValueError(f"model.{key} does not apply to Qwen3 (its feed-forward size is model.ffn_dim, "
-                             "its RoPE is not scaled): leave it unset")
     args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
     for key in OVERRIDABLE:
         value = getattr(config.model, key)
@@ -76,10 +68,10 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
 
 
 __all__ = [
-    # the model
-    "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # the model and its [model] keys
+    "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
     # parallelism
-    "parallelize", "tensor_parallel_plan", "split_for_pipeline", "stages_per_rank",
+    "parallelize", "tensor_parallel_plan",
     # Hugging Face interop
     "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 ]

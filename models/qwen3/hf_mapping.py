@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from models.activations import ACTIVATIONS
 from models.moe import MoEArgs
 from models.qwen3.model import ModelArgs
 
@@ -59,6 +60,7 @@ HF_CONFIG_KEYS = {
     "num_attention_heads": "model.n_heads",
     "num_key_value_heads": "model.n_kv_heads",
     "head_dim": "model.flavor (its head_dim)",
+    "hidden_act": "the model's hidden_act (silu)",
     "rms_norm_eps": "model.norm_eps",
     "rope_theta": "model.rope_theta",
     "tie_word_embeddings": "model.tie_embeddings",
@@ -154,9 +156,20 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     return renamed
 
 
+def check_qwen3_form(args: ModelArgs) -> None:
+    """Refuse a mixture of experts that Qwen3MoeForCausalLM cannot express: its router is a softmax over the
+    experts, unscaled, and it has no shared experts."""
+    moe = args.moe
+    if moe and (moe.score_func != "softmax" or moe.route_scale != 1.0 or moe.num_shared_experts):
+        raise ValueError(f"Qwen3MoeForCausalLM routes by softmax, unscaled, without shared experts: this model's "
+                         f"experts (score_func {moe.score_func}, route_scale {moe.route_scale}, num_shared_experts "
+                         f"{moe.num_shared_experts}) have no Hugging Face form")
+
+
 def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:
     """config.json of the Qwen3ForCausalLM (or, with MoE, Qwen3MoeForCausalLM) equal to an ingot
     model with these args."""
+    check_qwen3_form(args)
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if args.moe else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if args.moe else "qwen3",
@@ -167,7 +180,7 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads or args.n_heads,
         "head_dim": args.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": args.hidden_act,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": None,
@@ -211,9 +224,10 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     model_type = config.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise ValueError(f"model_type {model_type!r} is not a Qwen3 one (qwen3, qwen3_moe)")
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("use_sliding_window"):
-        raise ValueError("only Qwen3 models with SiLU, no attention bias and no sliding window are supported "
-                         "(hidden_act, attention_bias, use_sliding_window)")
+    if config.get("hidden_act", "silu") not in ACTIVATIONS or config.get("attention_bias") or \
+            config.get("use_sliding_window"):
+        raise ValueError(f"only Qwen3 models with no attention bias, no sliding window and one of the activations "
+                         f"{', '.join(ACTIVATIONS)} are supported (attention_bias, use_sliding_window, hidden_act)")
     heads = config["num_attention_heads"]
     dense = model_type == "qwen3"
     args = ModelArgs(
@@ -228,6 +242,7 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         rope_theta=_rope_theta(config),
         max_seq_len=config.get("max_position_embeddings", 32768),
         tie_embeddings=config.get("tie_word_embeddings", False),
+        hidden_act=config.get("hidden_act", "silu"),
     )
     num_experts = config.get("num_experts", config.get("num_local_experts", 128))
     if not dense and num_experts > 0:

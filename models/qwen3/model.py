@@ -10,14 +10,14 @@ Document masking, the meta-device build, `positions` and `sdpa` work as in model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from components.data.documents import document_positions
+from models.activations import activation
 from models.attention import apply_rope, causal_attention, document_mask, masked_attention
 from models.moe import MoE, MoEArgs
 
@@ -32,6 +32,8 @@ class ModelArgs:
     """The size of each head; Qwen3 keeps 128 whatever dim / n_heads is."""
     ffn_dim: int = 3072
     """The dense feed-forward's hidden size (intermediate_size)."""
+    hidden_act: str = "silu"
+    """The activation of the feed-forwards, dense and experts', by Hugging Face's name (models/activations.py)."""
     vocab_size: int = 151936
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
@@ -120,8 +122,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """Gated: w2(act(w1 x) * w3 x), SwiGLU with act = silu."""
+
+    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
         super().__init__()
+        self.act = activation(hidden_act)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -132,15 +137,17 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = (MoE(args.dim, args.moe) if args.is_moe_layer(layer_id)
-                             else FeedForward(args.dim, args.ffn_dim))
+        if args.is_moe_layer(layer_id):  # its experts take the model's activation
+            self.feed_forward = MoE(args.dim, replace(args.moe, hidden_act=args.hidden_act))
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.hidden_act)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers

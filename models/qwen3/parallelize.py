@@ -19,8 +19,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
+from components.moe_layer import MoELayer
 from models.attention import qk_norm_tensor_parallel_plan
-from models.moe import MoE
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel
@@ -75,7 +75,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{prefix}.attention.wo": Rowwise(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
         }
-        if isinstance(block.feed_forward, MoE):
+        if isinstance(block.feed_forward, MoELayer):
             plan[f"{prefix}.feed_forward"] = moe_tensor_parallel_plan()
         else:
             plan |= {

@@ -18,8 +18,8 @@ from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
 from components.metrics import peak_rss_bytes
 from components.model_package import import_model_package
-from models.moe import MoE
-from parallelisms.pipeline import is_multi_stage
+from components.moe_layer import moe_layers
+from parallelisms.pipeline import family_split, is_multi_stage
 from scripts.memory_estimate.breakdown import (
     Layout,
     MemoryEstimate,
@@ -44,7 +44,7 @@ def default_target(config: Config) -> str:
 
 def vocab_size(config: Config) -> tuple[int, str | None]:
     """The tokenizer's vocabulary, or Llama 3's when the tokenizer file is not on this machine."""
-    if config.model.vocab_size is not None:
+    if getattr(config.model, "vocab_size", None) is not None:  # a [model] key of the family, if it has one
         return config.model.vocab_size, None
     from components.tokenizer import build_tokenizer
 
@@ -75,13 +75,13 @@ def cpu_baseline_bytes(config: Config) -> int:
 def moe_parameters(model: nn.Module) -> dict[str, bool]:
     """The parameters of the model's mixture-of-experts layers: True for the experts', False for the
     routers' and shared experts'."""
-    return {f"{name}.{param}": param.startswith("experts.") for name, layer in model.named_modules()
-            if isinstance(layer, MoE) for param, _ in layer.named_parameters()}
+    return {f"{name}.{param}": param.startswith("experts.") for name, layer in moe_layers(model)
+            for param, _ in layer.named_parameters()}
 
 
 class PipelinePlace:
-    """Stands in for the pipeline mesh of rank `rank` of `size`: the model package's
-    `split_for_pipeline` asks it only these two, and the estimate runs without a process group."""
+    """Stands in for the pipeline mesh of rank `rank` of `size`: `split_for_pipeline` (parallelisms/pipeline.py,
+    or the family's own) asks it only these two, and the estimate runs without a process group."""
 
     def __init__(self, size: int, rank: int):
         self._size, self._rank = size, rank
@@ -98,7 +98,7 @@ def stages_of_ranks(model_package, model: nn.Module, config: Config, pp: int) ->
     the first and the last pipeline rank; without PP the one rank holds the whole model."""
     if pp == 1:
         return {0: [model]}
-    return {rank: model_package.split_for_pipeline(model, PipelinePlace(pp, rank), config)[0]
+    return {rank: family_split(model_package)(model, PipelinePlace(pp, rank), config)[0]
             for rank in sorted({0, pp - 1})}
 
 

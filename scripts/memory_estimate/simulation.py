@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from components.loss import cross_entropy_loss
-from models.moe import GroupedExperts, MoE
+from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import zigzag_attention, zigzag_positions, zigzag_to_sequence_order
 
@@ -113,11 +113,11 @@ def context_parallel_attention(cp: int, local_seq: int):
     return attention
 
 
-def balanced_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mixture-of-experts routing on fake tensors, which have no values to route by: every expert gets
     an equal share of the slots, the balance that load balancing aims at. Under expert parallelism a
     rank computes as many slots as it sends, so the one-rank simulation also stands for it."""
-    slots, num_experts = x.shape[0], experts.w1.shape[0]
+    slots, num_experts = x.shape[0], next(experts.parameters()).shape[0]  # stacks over the experts
     return experts(x, [slots // num_experts + (i < slots % num_experts) for i in range(num_experts)])
 
 
@@ -175,9 +175,8 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention
-        for module in model.modules():
-            if isinstance(module, MoE):
-                module.dispatcher = balanced_dispatch
+        for _, layer in moe_layers(model):
+            layer.dispatcher = balanced_dispatch
         apply_activation_checkpointing(model.layers, ac_mode, ac_option)
         model.train()
         tracker = StorageTracker()
