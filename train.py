@@ -43,6 +43,7 @@ from components.model_on_rank import ModelOnRank, forward_backward, local, over_
 from components.model_package import import_model_package
 from components.moe_layer import has_moe_layer
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
+from components.param_norm import ParamNorm
 from components.profiling import Profiler
 from components.resume import check_resume, run_record
 from components.routing import RoutingTally
@@ -155,6 +156,7 @@ def train(config: Config, signals: StopSignals) -> int:
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics)]
     step_features += [ZLossFigure(z_loss, model)] if z_loss else []
     step_features.append(SourceTokens(dataloader, dims.dp_mesh.get_group() if dims.dp > 1 else None, device))
+    step_features.append(ParamNorm(optimizers, model.pp_group))
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)

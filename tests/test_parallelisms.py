@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY, losses, torchrun, val_losses
+from conftest import TINY, losses, metric_lines, torchrun, val_losses
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,12 @@ def test_layout_matches_one_process(name, reference, tmp_path):
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
     assert val_losses(tmp_path)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
+    # The weights' norm is the whole model's whatever the layout: sharded, split into stages or offloaded.
+    assert param_norms(tmp_path) == pytest.approx(param_norms(reference), rel=1e-5)
+
+
+def param_norms(dump) -> dict[int, float]:
+    return {m["step"]: m["param_norm"] for m in metric_lines(dump) if "loss" in m}
 
 
 def test_checkpoint_saved_under_fsdp4_resumes_under_tp2_pp2(reference, tmp_path):
