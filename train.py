@@ -28,6 +28,7 @@ from components import wandb_logging
 from components.batch import batch_plan
 from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
+from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
@@ -155,12 +156,14 @@ def train(config: Config, signals: StopSignals) -> int:
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics)]
     step_features += [ZLossFigure(z_loss, model)] if z_loss else []
-    step_features.append(SourceTokens(dataloader, dims.dp_mesh.get_group() if dims.dp > 1 else None, device))
+    dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
+    step_features.append(SourceTokens(dataloader, dp_group, device))
     step_features.append(ParamNorm(optimizers, model.pp_group))
+    step_features.append(data_hash := DataHash(dataloader, dp_group, device))
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
-    batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in dataloader)
+    batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in data_hash)
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")

@@ -10,8 +10,8 @@ and says what wrote that very checkpoint, where config.toml says what the latest
 A change that makes the checkpoint unusable is refused, naming old -> new and the ways on: the model's
 weights (any model.* or moe.* key that changes a weight's name or shape), the tokenizer's contents, and
 the form of the state a part of the checkpoint holds (training.dataset, optimizer.name,
-training.spike_window; for the hf loader also the data-parallel degree and loader workers, which decide
-each rank's share of the data) unless that part is left out with checkpoint.exclude_from_loading. Any other
+training.spike_window; for the hf loader also the global batch size, which decides its streams) unless that
+part is left out with checkpoint.exclude_from_loading. The layout and the number of processes may change. Any other
 change of what the run computes is allowed and named in one line.
 """
 
@@ -136,24 +136,26 @@ def _refusals(config: Config, path: Path, saved: dict, weights: dict[str, torch.
                          f"(or resume without it: --checkpoint.exclude_from_loading {part})")
     if saved and "dataloader" not in config.checkpoint.exclude_from_loading and old.get("training.dataset") == "hf" \
             and new["training.dataset"] == "hf":
-        dp = [_data_parallel_degree(r["layout"]) for r in (saved, record)]
-        workers = [r["training.dataloader_workers"] for r in (old, new)]
-        changed = [f"{what} {a} → {b}" for what, (a, b) in
-                   (("data-parallel degree", dp), ("training.dataloader_workers", workers)) if a != b]
-        if changed:
-            lines.append(f"{', '.join(changed)}: the hf loader's position is per rank and worker, each reading its "
-                         "own share of the shards (docs/data.md); resume with the saved ones, or without the data "
-                         "position (the data starts again from its beginning): "
-                         "--checkpoint.exclude_from_loading dataloader")
+        way_on = ("resume without the data position (the data starts again from its beginning): "
+                  "--checkpoint.exclude_from_loading dataloader")
+        if saved["global_batch"] != record["global_batch"]:
+            lines.append(f"global batch {saved['global_batch']} → {record['global_batch']}: the hf loader reads one "
+                         "stream of the data per sequence of the global batch (docs/data.md), so another global batch "
+                         f"reads other streams; resume with a global batch of {saved['global_batch']}, or {way_on}")
+        elif any(name.startswith("dataloader.dp_rank_") for name in _entries(path)):
+            lines.append("the checkpoint's hf data position was saved per data-parallel rank, by an earlier ingot: "
+                         f"it cannot be carried to the streams of this one; {way_on}")
     if misfit:
         return [f"checkpoint {path} does not fit this model: {misfit} (check model.flavor and the model.* overrides)",
                 *lines]
     return [f"checkpoint {path} cannot be resumed under this config:", *lines] if lines else []
 
 
-def _data_parallel_degree(layout: str) -> int:
-    degrees = dict(item.split("=") for item in layout.split())
-    return int(degrees.get("dp_replicate", 1)) * int(degrees.get("dp_shard", 1))
+def _entries(path: Path) -> dict:
+    try:
+        return saved_entries(path)
+    except Exception:  # noqa: BLE001 - a damaged .metadata: the resume names it and falls back to an older checkpoint
+        return {}
 
 
 def _set_aside(config: Config, dump_folder: Path) -> None:

@@ -32,11 +32,12 @@ pytest_sessionstart): the packed loader's global stream is the same under every 
 which is what the parity tests compare."""
 
 ON_HF = ["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)]
-"""The shipped corpus through the streaming hf loader, in document order, whatever the seed."""
+"""The shipped corpus through the streaming hf loader (the default config's data): its first pass in file order
+within each stream, whatever the seed; the same global batches under every layout."""
 
 # A small but real configuration: the debug model's shape on the shipped corpus, cut for speed.
 ON_PACKED = ["--training.dataset", "packed", "--training.dataset_path", str(PACKED_CORPUS)]
-"""The shipped corpus through the packed loader: the same global stream under every layout (parity tests)."""
+"""The shipped corpus through the packed loader: globally shuffled, the same global batches under every layout."""
 
 TINY = [
     "--job.config_file", "debug_model.toml", *ON_PACKED, "--model.n_layers", "2", "--training.seq_len", "64",

@@ -1,17 +1,14 @@
-"""The streaming hf loader (components/data/streaming.py): packing, data-parallel shares, loader workers,
-exact resume, blends, validation and bad input."""
+"""The streaming hf loader (components/data/streaming.py, sources.py): one stream per sequence of the global
+batch, the same global batches under every layout, each rank reading its own share, loader workers, exact
+resume on another number of processes, reshuffled epochs, blends, validation and bad input."""
 
 import json
 
 import pytest
 import torch
 
-from components.data.streaming import (
-    DataError,
-    build_streaming_dataloader,
-    build_streaming_validation_dataloader,
-    open_source,
-)
+from components.data.sources import DataError, open_source
+from components.data.streaming import build_streaming_dataloader, build_streaming_validation_dataloader
 
 
 class ByteTokenizer:
@@ -51,101 +48,123 @@ def write_repository(folder, docs, shards=4, split="train"):
     return folder
 
 
-def stream(docs=DOCS, epochs=3):
+def packed(docs):
     tok = ByteTokenizer()
-    return [t for _ in range(epochs) for d in docs for t in tok.encode(d, bos=True, eos=True)]
+    return [t for d in docs for t in tok.encode(d, bos=True, eos=True)]
 
 
-def batches(loader, n):
-    it = iter(loader)
-    return [next(it) for _ in range(n)]
-
-
-def loader_of(paths, seq_len, local_batch_size, dp_rank=0, dp_size=1, workers=0, tokenizer=None):
+def loader_of(paths, seq_len, local_batch, global_batch=None, dp_rank=0, dp=1, workers=0, tokenizer=None, seed=42):
     return build_streaming_dataloader([str(p) for p in paths], "text", tokenizer or ByteTokenizer(), seq_len,
-                                      local_batch_size, dp_rank, dp_size, workers)
+                                      local_batch, global_batch or local_batch * dp, dp_rank, dp, workers, seed)
+
+
+def global_batches(paths, steps, seq_len, global_batch, dp=1, accumulation=1, workers=0, states=None, seed=42):
+    """The windows of each step as the ranks of a layout read them, sorted (a step's windows are a set: which
+    rank computes which does not change the step), and the loaders' states at the end."""
+    local = global_batch // (dp * accumulation)
+    loaders = [loader_of(paths, seq_len, local, global_batch, r, dp, workers, seed=seed) for r in range(dp)]
+    for loader in loaders:
+        if states:
+            loader.load_state_dict(states)
+    iterators = [iter(loader) for loader in loaders]
+    steps_read = []
+    for _ in range(steps):
+        rows = [row for _ in range(accumulation) for it in iterators for row in next(it).tolist()]
+        steps_read.append(sorted(rows))
+    state = {}
+    for loader in loaders:
+        state |= loader.state_dict()
+        loader.close()
+    return steps_read, state
 
 
 @pytest.fixture(scope="module")
-def corpus_repository(tmp_path_factory):
-    """The first 400 documents of the shipped corpus as a 4-shard repository."""
+def corpus(tmp_path_factory):
+    """The first 400 documents of the shipped corpus, as one JSON-lines file."""
     from conftest import CORPUS
 
-    docs = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()[:400]]
-    return write_repository(tmp_path_factory.mktemp("repo"), docs), docs
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "docs.jsonl").write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:400]))
+    return folder / "docs.jsonl"
 
 
-def test_windows_are_the_packed_document_stream(tmp_path):
+def test_one_stream_is_the_packed_document_stream_in_file_order(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl")
-    got = torch.cat([b.flatten() for b in batches(loader_of([path], 9, 2), 6)]).tolist()
-    assert got == stream()[: 6 * 2 * 10]  # 6 batches of 2 windows of seq_len + 1 tokens, across epochs
-    assert got[0] == 1 and ByteTokenizer().decode(got[:10]) == "first doc"
+    batches = iter(loader_of([path], 9, 1))
+    got = [t for _ in range(9) for t in next(batches).flatten().tolist()]
+    assert got[:len(packed(DOCS))] == packed(DOCS)  # the first pass: every document once, in file order
+    assert ByteTokenizer().decode(got[:10]) == "first doc"
 
 
-def test_one_shard_is_shared_by_document_and_no_document_is_read_twice(tmp_path):
-    docs = [f"document number {i}" for i in range(10)]
-    path = write_jsonl(tmp_path / "docs.jsonl", docs)
-    tokenizers = [ByteTokenizer(), ByteTokenizer()]
-    for rank in range(2):
-        got = torch.cat([b.flatten() for b in batches(loader_of([path], 9, 1, rank, 2, tokenizer=tokenizers[rank]),
-                                                      12)]).tolist()
-        assert got == stream(docs[rank::2], 2)[:120]  # the rank packs its own documents, in order
-    first_epoch = [t.seen[:5] for t in tokenizers]
-    assert first_epoch == [docs[0::2], docs[1::2]]
+@pytest.mark.parametrize("dp, accumulation, workers", [(2, 1, 2), (4, 1, 1), (2, 2, 0), (1, 4, 2)])
+def test_every_layout_of_a_global_batch_reads_the_same_global_batches(corpus, dp, accumulation, workers):
+    """The order belongs to the run: 1 process without workers against FSDP 2 and 4, gradient accumulation and
+    loader workers, over more than one pass of the data (the shipped corpus's 400 documents, 88k tokens)."""
+    alone, _ = global_batches([corpus], 24, 511, 8)
+    assert global_batches([corpus], 24, 511, 8, dp, accumulation, workers)[0] == alone
 
 
-def test_shards_are_shared_whole_and_each_rank_tokenizes_half(corpus_repository):
-    folder, docs = corpus_repository
+def test_a_stream_reads_its_share_and_a_rank_its_streams(corpus):
+    """Streams split the documents without overlap; rank r of 2 reads (and tokenizes) the streams r, r + 2, ...:
+    half the bytes, half the documents."""
+    source = open_source(str(corpus), "text")
+    shares = [source.share(v, 8) for v in range(8)]
+    assert shares[0][0] == 0 and shares[-1][1] == source.units and all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    documents = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    per_stream = [source.read_range(*share) for share in shares]
+    assert [d for texts in per_stream for d in texts] == documents
     seen = []
     for rank in range(2):
         tokenizer = ByteTokenizer()
-        loader = loader_of([folder], 63, 4, rank, 2, tokenizer=tokenizer)
-        it = iter(loader)
-        while len(tokenizer.seen) < 200 + 1:  # past one pass over this rank's 200 documents
-            next(it)
-        seen.append(tokenizer.seen[:200])
-    # Rank r reads shards r and r + 2 of 4: half the documents each, none twice.
-    assert seen == [docs[:100] + docs[200:300], docs[100:200] + docs[300:]]
+        loader = loader_of([corpus], 63, 4, 8, rank, 2, tokenizer=tokenizer)
+        batches = iter(loader)
+        while len(set(tokenizer.seen)) < sum(len(per_stream[v]) for v in range(rank, 8, 2)):
+            next(batches)
+        seen.append(set(tokenizer.seen))
+    assert seen == [{d for v in range(r, 8, 2) for d in per_stream[v]} for r in range(2)]
+    assert {len(s) for s in seen} == {200}
+    read = [sum(shares[v][1] - shares[v][0] for v in range(r, 8, 2)) / source.units for r in range(2)]
+    assert read == pytest.approx([0.5, 0.5], abs=0.01)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_resumed_loader_continues_bitwise(corpus_repository, workers):
-    folder, _ = corpus_repository
-    straight = batches(loader_of([folder], 63, 4, workers=workers), 16)
-    first = loader_of([folder], 63, 4, workers=workers)
-    head = batches(first, 8)
-    resumed = loader_of([folder], 63, 4, workers=workers)
-    resumed.load_state_dict(first.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(straight, head + batches(resumed, 8)))
-    assert resumed.tokens_by_source == {folder.name: 16 * 4 * 64}
+def test_a_loader_resumed_on_another_number_of_processes_continues_the_stream(corpus):
+    """2 processes, then 1, then 4 (with loader workers): the global batches of one uninterrupted run."""
+    straight, _ = global_batches([corpus], 30, 511, 8)
+    first, state = global_batches([corpus], 10, 511, 8, dp=2, workers=2)
+    second, state = global_batches([corpus], 10, 511, 8, dp=1, states=state)
+    third, _ = global_batches([corpus], 10, 511, 8, dp=4, workers=1, states=state)
+    assert first + second + third == straight
 
 
-def test_a_resume_under_another_layout_is_refused_by_the_loader(corpus_repository):
-    folder, _ = corpus_repository
-    first = loader_of([folder], 63, 4)
-    batches(first, 2)
-    other = loader_of([folder], 63, 4, workers=2)
-    with pytest.raises(DataError, match="saved with"):
-        other.load_state_dict(first.state_dict())
-
-
-def test_loader_workers_take_the_shards_of_their_rank(corpus_repository):
-    folder, docs = corpus_repository
-    first, second = batches(loader_of([folder], 63, 4, 1, 2, workers=2), 2)
-    # Rank 1 of 2 reads shards 2 and 4 (documents 100-199 and 300-399); its two workers take one each
-    # and hand out batches in turn.
-    for batch, document in ((first, docs[100]), (second, docs[300])):
-        assert batch[0, 0] == 1 and ByteTokenizer().decode(batch[0, 1:].tolist()).startswith(document[:20])
+def test_later_epochs_are_reshuffled_alike_under_every_layout_and_by_the_seed(tmp_path):
+    docs = [f"document {i:03d} " + "x" * (i % 7) for i in range(64)]
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    tokenizer = ByteTokenizer()
+    loader = loader_of([path], 4096, 1, tokenizer=tokenizer)
+    batches = iter(loader)
+    while len(tokenizer.seen) < 3 * len(docs):
+        next(batches)
+    epochs = [tokenizer.seen[i * len(docs):(i + 1) * len(docs)] for i in range(3)]
+    assert epochs[0] == docs and sorted(epochs[1]) == sorted(docs) and epochs[1] != docs and epochs[2] != epochs[1]
+    assert global_batches([path], 12, 63, 4, dp=2)[0] == global_batches([path], 12, 63, 4)[0]
+    assert global_batches([path], 12, 63, 4, seed=7)[0] != global_batches([path], 12, 63, 4)[0]
 
 
 def test_a_blend_holds_its_token_proportions(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [f"alpha {i} " * 3 for i in range(50)])
     b = write_jsonl(tmp_path / "b.jsonl", [f"b{i}" for i in range(50)])
-    loader = build_streaming_dataloader([f"{a}:0.75", f"{b}:0.25"], "text", ByteTokenizer(), 31, 4, 0, 1, 0)
-    batches(loader, 25)
+    loader = build_streaming_dataloader([f"{a}:0.75", f"{b}:0.25"], "text", ByteTokenizer(), 31, 4, 4, 0, 1, 0, 42)
+    batches = iter(loader)
+    for _ in range(25):
+        next(batches)
     tokens = loader.tokens_by_source
     assert sum(tokens.values()) == 25 * 4 * 32
     assert abs(tokens["a"] / sum(tokens.values()) - 0.75) < 0.02
+    blend = [f"{a}:0.75", f"{b}:0.25"]
+    one = build_streaming_dataloader(blend, "text", ByteTokenizer(), 31, 4, 4, 0, 1, 0, 42)
+    two = [build_streaming_dataloader(blend, "text", ByteTokenizer(), 31, 2, 4, r, 2, 0, 42) for r in range(2)]
+    rows = [sorted(torch.cat([next(iter(loader)) for loader in two]).tolist()), sorted(next(iter(one)).tolist())]
+    assert rows[0] == rows[1]
 
 
 def test_validation_gives_every_rank_the_same_number_of_whole_batches(tmp_path):
@@ -163,7 +182,8 @@ def test_files_folders_repositories_and_saved_datasets_are_read(tmp_path):
     import datasets
 
     def texts(path, field="text"):
-        return [row[field] for row in open_source(str(path), field).dataset]
+        source = open_source(str(path), field)
+        return source.read_range(0, source.units)
 
     (tmp_path / "txt").mkdir()
     (tmp_path / "txt" / "a.txt").write_text("one file\nis one document\n")
@@ -175,7 +195,15 @@ def test_files_folders_repositories_and_saved_datasets_are_read(tmp_path):
     assert texts(tmp_path / "saved") == DOCS
     repo = write_repository(tmp_path / "repo", DOCS, shards=2)
     write_repository(repo, ["held out"], shards=1, split="validation")
-    assert texts(repo) == DOCS and open_source(str(repo), "text").num_shards == 2
+    assert texts(repo) == DOCS and len(open_source(str(repo), "text").files) == 2
+    import gzip
+
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    compressed = open_source(str(tmp_path / "docs.jsonl.gz"), "text")
+    assert not compressed.splittable and texts(tmp_path / "docs.jsonl.gz") == DOCS
+    two = [loader_of([tmp_path / "docs.jsonl.gz"], 4, 1, 2, r, 2) for r in range(2)]  # each takes every 2nd
+    assert [ByteTokenizer().decode(next(iter(loader))[0].tolist()) for loader in two] == ["firs", "a se"]
 
 
 def test_bad_data_gets_a_one_line_error(tmp_path):
@@ -190,7 +218,15 @@ def test_bad_data_gets_a_one_line_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "broken\n{"text": "fine"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):
-        batches(loader_of([bad], 9, 1), 3)
+        next(iter(loader_of([bad], 9, 1)))
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty.jsonl' holds no documents \(its 1 file\(s\) are empty\)"):
+        open_source(str(tmp_path / "empty.jsonl"), "text")
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", "  ", ""])
+    with pytest.raises(DataError, match="blank is too small for 1 streams .* stream 0's share holds no document"):
+        next(iter(loader_of([blank], 9, 1)))
+    with pytest.raises(DataError, match="blank is too small for 8 streams"):
+        next(iter(loader_of([write_jsonl(tmp_path / "blank.jsonl", ["a", "b"])], 9, 8)))
 
 
 def test_a_hub_id_while_offline_names_the_dataset(monkeypatch):
@@ -203,8 +239,10 @@ def test_a_resume_on_other_sources_reads_them_from_their_beginning(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl")
     b = write_jsonl(tmp_path / "b.jsonl", [f"other {i}" for i in range(5)])
     first = loader_of([a], 9, 2)
-    batches(first, 3)
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
     other = loader_of([b], 9, 2)
     other.load_state_dict(first.state_dict())
-    assert torch.equal(batches(other, 2)[0], batches(loader_of([b], 9, 2), 1)[0])
-    assert other.tokens_by_source == {"b": 2 * 2 * 10}
+    assert torch.equal(next(iter(other)), next(iter(loader_of([b], 9, 2))))
+    assert other.tokens_by_source == {"b": 2 * 10}

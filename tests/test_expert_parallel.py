@@ -1,6 +1,7 @@
 """Expert parallelism in training: the debug MoE model on 2 and 4 gloo processes, with ep combined with
 FSDP, HSDP, tensor and pipeline parallelism, activation checkpointing and compile, trains like one
-process (per-step losses and gradient norms at the same global batch and seed, CPU fp32); a checkpoint
+process (the same global batches, per-step losses and gradient norms at the same global batch and seed, CPU fp32;
+on the default config's data and on the packed corpus); a checkpoint
 saved at one ep degree resumes at another and exports like one process's."""
 
 import os
@@ -10,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ON_PACKED, REPO, losses, metric_lines, torchrun
+from conftest import ON_HF, ON_PACKED, REPO, losses, metric_lines, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +36,19 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, extra=()):
     ]
 
 
-LAYOUTS = {
-    "dp_shard4_ep4": layout(dp_shard=4, ep=4),
-    "dp_shard2_tp2_ep2": layout(dp_shard=2, tp=2, ep=2),
-    "pp2_dp_shard2_ep2": layout(pp=2, dp_shard=2, ep=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]),
-    "hsdp_2x2_ep2": layout(dp_replicate=2, dp_shard=2, ep=2),
-    "tp2": layout(tp=2),
-    "dp_shard2_ep2_full_ac": layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]),
-    "dp_shard2_ep2_compile": layout(dp_shard=2, ep=2, extra=["--compile.enable", "true"]),
-    "dp_shard2_ep2_cpu_offload": layout(dp_shard=2, ep=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+LAYOUTS = {  # name: (processes, arguments), data (half on the default config's data, half on the packed corpus)
+    "dp_shard4_ep4": (layout(dp_shard=4, ep=4), "hf"),
+    "dp_shard2_tp2_ep2": (layout(dp_shard=2, tp=2, ep=2), "packed"),
+    "pp2_dp_shard2_ep2": (layout(pp=2, dp_shard=2, ep=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
+                                                                  "1"]), "hf"),
+    "hsdp_2x2_ep2": (layout(dp_replicate=2, dp_shard=2, ep=2), "packed"),
+    "tp2": (layout(tp=2), "hf"),
+    "dp_shard2_ep2_full_ac": (layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]), "packed"),
+    "dp_shard2_ep2_compile": (layout(dp_shard=2, ep=2, extra=["--compile.enable", "true"]), "hf"),
+    "dp_shard2_ep2_cpu_offload": (layout(dp_shard=2, ep=2, extra=["--parallelism.fsdp_cpu_offload", "true"]), "packed"),
 }
+DATA = {"hf": ON_HF, "packed": []}
+"""BASE reads the packed corpus; ON_HF, later on the command line, replaces it by the default config's data."""
 
 
 def grad_norms(dump) -> dict[int, float]:
@@ -52,21 +56,32 @@ def grad_norms(dump) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The single-process run every layout is compared with."""
+def references(tmp_path_factory):
+    """The single-process runs every layout is compared with, by data."""
     import train
 
-    dump = tmp_path_factory.mktemp("reference")
-    assert train.main([*BASE, "--training.local_batch_size", "8", "--job.dump_folder", str(dump)]) == 0
-    return dump
+    dumps = {}
+    for data, source in DATA.items():
+        dumps[data] = tmp_path_factory.mktemp(f"reference_{data}")
+        assert train.main([*BASE, *source, "--training.local_batch_size", "8", "--job.dump_folder",
+                           str(dumps[data])]) == 0
+    return dumps
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["packed"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_expert_parallel_layout_matches_one_process(name, reference, tmp_path):
-    nproc, args = LAYOUTS[name]
-    torchrun(nproc, [*BASE, *args, "--job.dump_folder", str(tmp_path)])
+def test_expert_parallel_layout_matches_one_process(name, references, tmp_path):
+    (nproc, args), data = LAYOUTS[name]
+    reference = references[data]
+    torchrun(nproc, [*BASE, *DATA[data], *args, "--job.dump_folder", str(tmp_path)])
     got, expected = losses(tmp_path), losses(reference)
     assert sorted(got) == list(range(1, STEPS + 1))
+    assert [m["data_hash"] for m in metric_lines(tmp_path) if "loss" in m] == \
+        [m["data_hash"] for m in metric_lines(reference) if "loss" in m]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
     for step, norm in grad_norms(reference).items():

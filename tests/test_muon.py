@@ -256,9 +256,11 @@ def test_muon_under_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(
 
 @pytest.mark.slow
 def test_muon_under_expert_parallelism_matches_one_process(tmp_path, train_in_process):
-    """Experts split over 2 ranks (each holds whole expert matrices) train like one process."""
-    assert train_in_process([*MOE, "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "one")]) == 0
-    torchrun(2, [*MOE, "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
+    """Experts split over 2 ranks (each holds whole expert matrices) train like one process, on the default
+    config's data."""
+    assert train_in_process([*MOE, *ON_HF, "--training.local_batch_size", "8", "--job.dump_folder",
+                             str(tmp_path / "one")]) == 0
+    torchrun(2, [*MOE, *ON_HF, "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
                  "--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "ep2")])
     assert sorted(losses(tmp_path / "ep2")) == list(range(1, STEPS + 1))
     assert_matches(losses(tmp_path / "ep2"), losses(tmp_path / "one"))

@@ -1,11 +1,12 @@
 """Every parallel layout trains like one process: per-step losses of N gloo processes match the
-single-process run at the same global batch and seed (CPU, fp32)."""
+single-process run at the same global batch and seed (CPU, fp32), on the same global batches (data_hash), half of
+the layouts on the default config's data (the streaming hf loader), half on the packed corpus."""
 
 import shutil
 
 import pytest
 import torch
-from conftest import TINY, losses, metric_lines, torchrun, val_losses
+from conftest import ON_HF, ON_PACKED, TINY, losses, metric_lines, torchrun, val_losses
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +34,30 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, local_batch=None, extra
 COMPILE = ["--compile.enable", "true"]
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 
-LAYOUTS = {
-    "tp4": layout(tp=4),
-    "dp_shard2_tp2": layout(dp_shard=2, tp=2),
-    "hsdp_2x2": layout(dp_replicate=2, dp_shard=2),
-    "dp_shard4_never_reshard": layout(dp_shard=4, extra=["--parallelism.fsdp_reshard_after_forward", "never"]),
-    "pp2_dp_shard2": layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]),
-    "pp2_dp_shard2_interleaved": layout(pp=2, dp_shard=2,
-                                        extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-    "pp2_tp2": layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
-    "cp2_dp_shard2": layout(cp=2, dp_shard=2),
-    "cp2_tp2": layout(cp=2, tp=2),
-    "dp_shard2_tp2_pp2": layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]),
-    "dp_shard2_tp2_cpu_offload": layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
-    "pp2_dp_shard2_cpu_offload": layout(pp=2, dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+LAYOUTS = {  # name: (processes, arguments), data
+    "tp4": (layout(tp=4), "hf"),
+    "dp_shard2_tp2": (layout(dp_shard=2, tp=2), "packed"),
+    "hsdp_2x2": (layout(dp_replicate=2, dp_shard=2), "hf"),
+    "dp_shard4_never_reshard": (layout(dp_shard=4, extra=["--parallelism.fsdp_reshard_after_forward", "never"]),
+                                "packed"),
+    "pp2_dp_shard2": (layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]), "hf"),
+    "pp2_dp_shard2_interleaved": (layout(pp=2, dp_shard=2,
+                                         extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+                                  "packed"),
+    "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
+    "cp2_dp_shard2": (layout(cp=2, dp_shard=2), "hf"),
+    "cp2_tp2": (layout(cp=2, tp=2), "packed"),
+    "dp_shard2_tp2_pp2": (layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
+                                                                  "2"]), "hf"),
+    "dp_shard2_tp2_cpu_offload": (layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+                                  "packed"),
+    "pp2_dp_shard2_cpu_offload": (layout(pp=2, dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]), "hf"),
     # Compiled blocks under TP, whose first takes the eager embedding's output (parallelisms/tensor_parallel.py).
-    "tp2_compile": layout(tp=2, extra=COMPILE),
-    "dp_shard2_tp2_compile_selective_op": layout(dp_shard=2, tp=2, extra=[*COMPILE, *SELECTIVE_OP]),
+    "tp2_compile": (layout(tp=2, extra=COMPILE), "packed"),
+    "dp_shard2_tp2_compile_selective_op": (layout(dp_shard=2, tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
 }
+DATA = {"hf": ON_HF, "packed": ON_PACKED}
+"""TINY reads the packed corpus; ON_HF, later on the command line, replaces it by the default config's data."""
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
@@ -85,26 +92,40 @@ def test_compiled_tensor_parallel_that_recomputes_attention_is_refused_on_cpu(ch
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The single-process run every layout is compared with."""
+def references(tmp_path_factory):
+    """The single-process runs the layouts are compared with, by data."""
     import train
 
-    dump = tmp_path_factory.mktemp("reference")
-    assert train.main([*BASE, "--training.local_batch_size", "8", "--job.dump_folder", str(dump)]) == 0
-    return dump
+    dumps = {}
+    for data, source in DATA.items():
+        dumps[data] = tmp_path_factory.mktemp(f"reference_{data}")
+        assert train.main([*BASE, *source, "--training.local_batch_size", "8", "--job.dump_folder",
+                           str(dumps[data])]) == 0
+    return dumps
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["packed"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(name, reference, tmp_path):
-    nproc, args = LAYOUTS[name]
-    torchrun(nproc, [*BASE, *args, "--job.dump_folder", str(tmp_path)])
+def test_layout_matches_one_process(name, references, tmp_path):
+    (nproc, args), data = LAYOUTS[name]
+    reference = references[data]
+    torchrun(nproc, [*BASE, *DATA[data], *args, "--job.dump_folder", str(tmp_path)])
     got, expected = losses(tmp_path), losses(reference)
     assert sorted(got) == list(range(1, STEPS + 1))
+    assert data_hashes(tmp_path) == data_hashes(reference)  # the same token ids in every global batch
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
     assert val_losses(tmp_path)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
     # The weights' norm is the whole model's whatever the layout: sharded, split into stages or offloaded.
     assert param_norms(tmp_path) == pytest.approx(param_norms(reference), rel=1e-5)
+
+
+def data_hashes(dump) -> dict[int, int]:
+    return {m["step"]: m["data_hash"] for m in metric_lines(dump) if "loss" in m}
 
 
 def param_norms(dump) -> dict[int, float]:

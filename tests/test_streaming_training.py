@@ -1,6 +1,7 @@
 """Training on the streaming hf loader through run_train.sh: the shipped corpus as a local dataset repository
-of 4 Parquet shards trains on 2 processes without an Arrow copy, resumes bitwise, refuses a resume that
-would change each rank's share, and bad data stops the run with one line and exit status 2."""
+of 4 Parquet shards trains on 2 processes without an Arrow copy and resumes bitwise; a run moved from 2 processes
+to 1 and then to 4 trains on the batches of one uninterrupted run, with either loader; a resume with another
+global batch is refused; bad data stops the run with one line and exit status 2."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, REPO, TINY, losses
+from conftest import CORPUS, ON_PACKED, REPO, TINY, losses, metric_lines
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +51,8 @@ def test_two_processes_stream_their_shards_with_falling_loss_and_no_arrow_copy(r
                                 "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(dump)],
                             tmp_path)
     assert status == 0, out[-3000:]
-    assert "rank 0: shards 1, 3 of 4 (train-00000-of-00004.parquet, train-00002-of-00004.parquet)" in out
-    assert "rank 1: shards 2, 4 of 4" in out
+    assert f"data: {repository.name} (4 files, 1,151 rows) read in 8 shares of about 143 rows, one per stream; this " \
+           "rank reads 4 streams" in out
     loss = losses(dump)
     assert len(loss) == 30
     assert sum(loss[s] for s in range(26, 31)) < sum(loss[s] for s in range(1, 6)) - 5 * 1.0
@@ -74,17 +75,39 @@ def test_a_run_resumed_at_step_8_matches_16_steps_straight_bitwise(repository, t
     assert losses(resumed) == losses(tmp_path / "straight")
 
 
-def test_a_resume_under_another_data_parallel_degree_is_refused_before_anything_is_written(repository, tmp_path):
+@pytest.mark.parametrize("data", [["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)], ON_PACKED],
+                         ids=["hf", "packed"])
+def test_a_run_moved_from_2_processes_to_1_and_then_to_4_trains_on_the_batches_of_one_run(data, tmp_path):
+    """Steps 1-4 on 2 processes, 5-8 on 1, 9-12 on 4 (each a resume of the last one's checkpoint): the token ids
+    of every global batch (data_hash) are those of a 12-step run on 1 process, and so are the losses."""
+    args = [*HF, *data, "--training.global_batch_size", "8", "--lr_scheduler.decay_type", "constant",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    status, out = run_train(1, [*args, "--training.local_batch_size", "8", "--training.steps", "12",
+                                "--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    assert status == 0, out[-3000:]
+    moved = tmp_path / "moved"
+    for nproc, steps in ((2, 4), (1, 8), (4, 12)):
+        status, out = run_train(nproc, [*args, "--training.local_batch_size", str(8 // nproc), "--training.steps",
+                                        str(steps), "--job.dump_folder", str(moved)], tmp_path)
+        assert status == 0, out[-3000:]
+    straight, resumed = ({m["step"]: m for m in metric_lines(dump) if "loss" in m} for dump in (tmp_path / "straight",
+                                                                                              moved))
+    assert sorted(resumed) == list(range(1, 13))
+    assert [resumed[s]["data_hash"] for s in resumed] == [straight[s]["data_hash"] for s in resumed]
+    assert [resumed[s]["loss"] for s in resumed] == pytest.approx([straight[s]["loss"] for s in resumed], rel=1e-4)
+
+
+def test_a_resume_with_another_global_batch_is_refused_before_anything_is_written(repository, tmp_path):
     dump = tmp_path / "run"
     args = [*HF, "--training.dataset_path", str(repository), "--checkpoint.enable", "true",
             "--checkpoint.interval", "2", "--training.steps", "2", "--job.dump_folder", str(dump)]
     status, out = run_train(1, args, tmp_path)
     assert status == 0, out[-3000:]
     before = files(dump)
-    status, out = run_train(2, [*args, "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "2"],
-                            tmp_path)
+    status, out = run_train(1, [*args, "--training.steps", "4", "--training.global_batch_size", "8"], tmp_path)
     assert status == 2, out[-3000:]
-    assert "data-parallel degree 1 → 2:" in out and "--checkpoint.exclude_from_loading dataloader" in out
+    assert "global batch 4 → 8: the hf loader reads one stream of the data per sequence of the global batch" in out
+    assert "--checkpoint.exclude_from_loading dataloader" in out
     assert "Traceback" not in out and len(out.strip().splitlines()) <= 15
     assert files(dump) == before
 
@@ -116,3 +139,10 @@ def test_bad_sources_stop_the_run_with_one_line(repository, tmp_path):
     assert "cannot read" in (line := bad_input(tmp_path, str(broken))) and "train-00003-of-00004.parquet" in line
     line = bad_input(tmp_path, str(repository), "--training.dataset_text_field", "content")
     assert "has no field 'content' (columns: text)" in line
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    line = bad_input(tmp_path, str(tmp_path / "empty.jsonl"))
+    assert "empty.jsonl' holds no documents (its 1 file(s) are empty)" in line
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": null}\n{"id": 3}\n')
+    assert "blank is too small for 4 streams" in bad_input(tmp_path, str(tmp_path / "blank.jsonl"))
+    line = bad_input(tmp_path, f"{tmp_path / 'empty.jsonl'}:0,{repository}:0")
+    assert "a blend weight must be a positive number" in line

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import tiktoken
+import torch
 from tiktoken.load import load_tiktoken_bpe
 
 from components.data.streaming import build_streaming_dataloader
@@ -396,9 +397,10 @@ def test_hf_tokenizer_feeds_the_hf_loader(tmp_path, hf_file, validation_docs):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     tokenizer = build_tokenizer(hf_file)
-    loader = build_streaming_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=2, dp_rank=0,
-                                        dp_size=1, num_workers=0)
-    batch = next(iter(loader))
+    loader = build_streaming_dataloader([str(data)], "text", tokenizer, seq_len=16, local_batch_size=1,
+                                        global_batch_size=1, dp_rank=0, dp_size=1, num_workers=0, seed=0)
+    batches = iter(loader)
+    batch = torch.cat([next(batches), next(batches)])  # one stream: its first two windows
     stream = [i for doc in docs for i in tokenizer.encode(doc, bos=True, eos=True)]
     assert batch.shape == (2, 17)
     assert batch.flatten().tolist() == stream[:34]

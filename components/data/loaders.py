@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from components.batch import batch_plan
 from components.config import Config, ConfigError
 from components.data.packed import build_packed_dataloader
 from components.data.packed_format import is_packed_folder
@@ -12,15 +13,17 @@ from components.tokenizer import Tokenizer
 
 
 def build_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int):
-    """The training batches of this data-parallel rank."""
+    """The training batches of this data-parallel rank: under every layout of the same global batch size the
+    ranks' batches of a step make the same global batch (docs/data.md)."""
     t = config.training
     if t.dataset == "packed":
         return build_packed_dataloader(
             t.dataset_path, "train", config.model.tokenizer_path, t.seq_len, t.local_batch_size, dp_rank, dp_size,
             t.seed, t.dataloader_workers,
         )
+    global_batch = batch_plan(t, dp_size).global_batch
     return build_streaming_dataloader(t.dataset_path, t.dataset_text_field, tokenizer, t.seq_len, t.local_batch_size,
-                                      dp_rank, dp_size, t.dataloader_workers)
+                                      global_batch, dp_rank, dp_size, t.dataloader_workers, t.seed)
 
 
 def validation_sources(paths: list[str]) -> dict[str | None, str]:
