@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_integrity import (
@@ -217,21 +217,13 @@ class CheckpointManager:
         self.pending = None
         self.last_saved = None
         self.async_kwargs = {}
-        mode = cfg.async_mode
-        if mode == "async_with_pinned_mem" and device.type != "cuda":
-            logger.warning("checkpoint.async_mode async_with_pinned_mem needs CUDA (pinned memory); using async")
-            mode = "async"
-        if mode == "async":
+        self.mode, self.stager = cfg.async_mode, None
+        if self.mode == "async":
             # A group of its own, so that the background save never interleaves its collectives
             # with the training step's.
             self.async_kwargs = {"process_group": dist.new_group(backend="gloo")}
-        elif mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
-            self.async_kwargs = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
-        self.mode = mode
+        elif self.mode == "async_with_pinned_mem":
+            self.stager = Stager(device)
 
     def load(self) -> int:
         """Restore the newest intact checkpoint of this run, or the initial weights; return the step
@@ -372,14 +364,16 @@ class CheckpointManager:
             dcp.save({"model": weights}, storage_writer=writer)
         elif self.mode == "disabled" or force:
             dcp.save(self.states, storage_writer=writer)
+        elif self.stager is not None:
+            result = dcp.async_save(self.states, storage_writer=writer, async_stager=self.stager.for_save(),
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            # Staging copies the state into (pinned) host memory; it must end before the optimizer changes the
+            # parameters again. The upload to disk goes on in a background process.
+            result.staging_completion.result()
+            self.stager.staged()
+            self.pending = result.upload_completion
         else:
-            result = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
-            if isinstance(result, AsyncSaveResponse):
-                # Staging copies the state into pinned memory; it must end before the optimizer
-                # changes the parameters again. The upload to disk goes on in the background.
-                result.staging_completion.result()
-                result = result.upload_completion
-            self.pending = result
+            self.pending = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
         self.last_saved = step
         what = "queued" if self.pending is not None else "saved"
         logger.info(f"checkpoint {path} {what} in {time.perf_counter() - start:.2f}s")
@@ -405,5 +399,55 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
-        if self.mode == "async_with_pinned_mem":
+        if self.stager is not None:
             self.stager.close()
+
+
+class Stager:
+    """checkpoint.async_mode async_with_pinned_mem: DCP's DefaultStager copies the state in a background thread
+    into shared host memory (pinned on CUDA, where the copy does not block the GPU), and a process of DCP's
+    writes it. One stager serves every save and keeps its host buffers, except under torch releases whose
+    stager cannot stage twice (torch 2.11 closes it after each staging: pytorch/pytorch#183413, a
+    `KeyError: <class 'type'>` at the next save); there a stager is made for each save and closed after it."""
+
+    def __init__(self, device: torch.device):
+        from torch.distributed.checkpoint.staging import StagingOptions
+
+        cuda = device.type == "cuda"
+        self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                                      use_non_blocking_copy=cuda)
+        self.reusable = stager_can_stage_twice()
+        self.current = None
+
+    def for_save(self):
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        if self.current is None:
+            self.current = DefaultStager(self.options)
+        return self.current
+
+    def staged(self) -> None:
+        """After a save's staging: a stager that cannot stage again is closed now."""
+        if not self.reusable:
+            self.close()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+def stager_can_stage_twice() -> bool:
+    """Whether this torch's DefaultStager stages a second time (tried on a tiny CPU state dict)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(2), "nested": {"step": 1}})
+        return True
+    except Exception:  # noqa: BLE001 - a closed stager fails in several ways (KeyError on 2.11)
+        return False
+    finally:
+        stager.close()

@@ -35,9 +35,30 @@ def test_quick_start_run_trains_and_writes_everything(tmp_path):
     assert (dump / "config.toml").read_text().startswith("# git commit: ")
 
 
-@pytest.mark.parametrize("async_mode, cpu_offload", [("disabled", "false"), ("async", "false"), ("disabled", "true")])
-def test_resume_is_bitwise_exact(tmp_path, train_in_process, async_mode, cpu_offload):
-    """20 steps straight == 10 steps, then a resume from the step-10 checkpoint to 20."""
+def stage_then_close(monkeypatch) -> None:
+    """Make DCP's DefaultStager close itself after each staging, as torch 2.11's does (pytorch/pytorch#183413):
+    reused for a second save it then fails with `KeyError: <class 'type'>`."""
+    from torch.distributed.checkpoint import staging
+
+    stage = staging.DefaultStager._stage
+
+    def closing(self, *args, **kwargs):
+        staged = stage(self, *args, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(staging.DefaultStager, "_stage", closing)
+
+
+@pytest.mark.parametrize("async_mode, cpu_offload, stager_closes", [
+    ("disabled", "false", False), ("async", "false", False), ("disabled", "true", False),
+    ("async_with_pinned_mem", "false", False), ("async_with_pinned_mem", "false", True)],
+    ids=["sync", "async", "cpu_offload", "async_staged", "async_staged_torch_2.11"])
+def test_resume_is_bitwise_exact(tmp_path, train_in_process, monkeypatch, async_mode, cpu_offload, stager_closes):
+    """20 steps straight == 10 steps, then a resume from the step-10 checkpoint to 20. Staged saves (DCP's stager
+    and writing process; on CUDA into pinned memory) save twice a run, also where torch's stager cannot be reused."""
+    if stager_closes:
+        stage_then_close(monkeypatch)
     args = [*TINY, "--training.steps", "20", "--checkpoint.enable", "true", "--checkpoint.interval", "10",
             "--checkpoint.async_mode", async_mode, "--parallelism.fsdp_cpu_offload", cpu_offload]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

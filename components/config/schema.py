@@ -242,8 +242,8 @@ class Checkpoint:
     """Checkpoints go to <dump_folder>/<folder>/step-N; a run finding one there resumes from it."""
     interval: int = 500
     async_mode: str = "disabled"
-    """One of disabled, async (save in a background thread), async_with_pinned_mem (CUDA: staging
-    into pinned memory and a background process)."""
+    """One of disabled, async (save in a background thread), async_with_pinned_mem (staging into shared host
+    memory, pinned on CUDA, and a background process that writes)."""
     keep_latest_k: int = 0
     """Keep only the newest k checkpoints; 0 keeps all."""
     initial_load_path: str = ""
