@@ -53,7 +53,7 @@ from components.step_guard import StepGuard
 from components.stopping import EXIT_BAD_INPUT, Preemption, StopSignals, exit_status
 from components.tokenizer import build_tokenizer
 from parallelisms.float8 import Float8ScalePrecompute
-from parallelisms.fsdp import offload_parameters
+from parallelisms.fsdp import initialize_on_device
 from parallelisms.pipeline import build_pipeline, family_split
 
 logger = logging.getLogger("ingot")
@@ -234,10 +234,7 @@ def place_model(whole_model: nn.Module, model_package, dims: ParallelDims, mesh:
         torch.distributed.tensor._random.manual_seed(config.training.seed + mesh["pp"].get_local_rank(), mesh)
     for part in model_parts:
         if not init_before_sharding:
-            part.to_empty(device=device)
-            part.init_weights()
-            if config.parallelism.fsdp_cpu_offload:
-                offload_parameters(part)
+            initialize_on_device(part, device, config.parallelism.fsdp_cpu_offload)
         part.train()
     return model_parts, stage_ids, num_stages
 

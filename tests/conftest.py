@@ -74,6 +74,21 @@ def metric_lines(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+def initial_weights(dump: Path) -> dict:
+    """The weights of a run's step-1 checkpoint, trained at lr 0: its initial weights, whole."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from components.checkpoint import one_process, saved_entries
+
+    step = dump / "checkpoint" / "step-1"
+    names = {n.removeprefix("model."): e.size for n, e in saved_entries(step).items() if n.startswith("model.")}
+    weights = {name: torch.empty(size) for name, size in names.items()}
+    with one_process():
+        dcp.load({"model": weights}, checkpoint_id=str(step), no_dist=True)
+    return weights
+
+
 def losses(dump: Path) -> dict[int, float]:
     """step -> loss; a resumed run's later entries replace the earlier ones."""
     return {m["step"]: m["loss"] for m in metric_lines(dump) if "loss" in m}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, torchrun
+from conftest import REPO, initial_weights, torchrun
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -241,6 +241,17 @@ def test_fsdp_cpu_offload_matches_the_device_run_with_less_gpu_memory(tmp_path):
     assert_same_curve(offloaded, on_gpu, SAME_MATH)
     peak_on_gpu, peak_offloaded = (max(r["memory_gib"] for r in records) for records in (on_gpu, offloaded))
     assert peak_offloaded < peak_on_gpu - 0.3, (peak_offloaded, peak_on_gpu)
+
+
+def test_the_initial_weights_on_the_gpu_are_the_same_bits_with_and_without_cpu_offload(tmp_path):
+    """FSDP pins offloaded shards as soon as they are materialized; the weights must still be drawn on the GPU
+    (parallelisms/fsdp.py, initialize_on_device): a step at lr 0 keeps them for its checkpoint to show."""
+    args = ("--training.steps", "1", "--optimizer.lr", "0", "--checkpoint.enable", "true", "--checkpoint.interval",
+            "1")
+    train(tmp_path / "on_gpu", *args)
+    train(tmp_path / "offloaded", *args, "--parallelism.fsdp_cpu_offload", "true")
+    on_gpu, offloaded = initial_weights(tmp_path / "on_gpu"), initial_weights(tmp_path / "offloaded")
+    assert on_gpu.keys() == offloaded.keys() and all(torch.equal(on_gpu[k], offloaded[k]) for k in on_gpu)
 
 
 def test_async_checkpoint_with_pinned_memory_resumes_bitwise(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, TINY, losses, metric_lines, torchrun, val_losses
+from conftest import ON_HF, ON_PACKED, TINY, initial_weights, losses, metric_lines, torchrun, val_losses
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +146,19 @@ def test_checkpoint_saved_under_fsdp4_resumes_under_tp2_pp2(reference, tmp_path)
     assert sorted(got) == list(range(4, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
+
+
+def test_the_initial_weights_are_the_same_bits_under_every_layout_and_with_cpu_offload(tmp_path, train_in_process):
+    """A function of the config and the seed alone: one process, FSDP 2 with CPU offload, TP 2 and PP 2 start from
+    bitwise the same weights (a step at lr 0 leaves them as they were drawn, for its checkpoint to show)."""
+    args = [*BASE, "--training.steps", "1", "--optimizer.lr", "0", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "1", "--validation.enable", "false"]
+    one = tmp_path / "one"
+    assert train_in_process([*args, "--training.local_batch_size", "8", "--job.dump_folder", str(one)]) == 0
+    reference = initial_weights(one)
+    for name, (nproc, extra) in {"fsdp2_offload": layout(dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+                                 "tp2": layout(tp=2), "pp2": layout(pp=2)}.items():
+        torchrun(nproc, [*args, *extra, "--job.dump_folder", str(tmp_path / name)])
+        weights = initial_weights(tmp_path / name)
+        assert weights.keys() == reference.keys()
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), name
