@@ -40,21 +40,6 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
             "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
             f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
         )
-    ac = config.activation_checkpoint
-    if device.type == "cpu" and dims.tp > 1 and config.compile.enable and (
-        ac.mode == "full" or ac.mode == "selective" and ac.selective_ac_option != "op"
-    ):
-        # Recomputing a whole block recomputes attention, a seeded op: the compiler saves the CPU generator's
-        # state for it after DTensor's device mesh, which it also saves (backward rebuilds the DTensor
-        # gradients), and then reads the mesh as a tensor ("expected all tensors_saved_with_vc_check to be
-        # Tensors", torch 2.13). On CUDA the generator state is passed as an input instead, which is unaffected.
-        raise ConfigError(
-            f"activation_checkpoint.mode {ac.mode} (selective_ac_option {ac.selective_ac_option}) with "
-            "compile.enable and parallelism.tensor_parallel_degree > 1 does not run on CPU: torch's compiler "
-            "mishandles the random-number state of the recomputed attention next to the tensor-parallel "
-            "weights. Use activation_checkpoint.mode selective with selective_ac_option op, leave one of the "
-            "three off, or run on CUDA"
-        )
     if config.evaluation.enable and not config.evaluation.tasks:
         raise ConfigError("evaluation.enable needs at least one task in evaluation.tasks")
 

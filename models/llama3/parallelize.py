@@ -97,7 +97,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"], config.training.seq_len)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
-                                   config.activation_checkpoint.selective_ac_option)
+                                   config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
     if config.compile.enable:
         compile_blocks(model.layers)
     if uses_fsdp(config, dims):
