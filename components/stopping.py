@@ -13,15 +13,17 @@ any of them got one (an all-reduce on a CPU group, so no device sync, whose answ
 that no step waits for it); if so, they all save a checkpoint of that step and exit with EXIT_PREEMPTED
 (Preemption). Re-running the same command resumes.
 
-The handler is installed before the data loader starts its worker processes, which inherit it: a signal that
-reaches the whole process tree must not kill a worker before the checkpoint is saved.
+A signal that reaches the whole process tree must not kill a data loader's worker process before the
+checkpoint is saved: the loaders' workers ignore the stop signals (leave_signals_to_the_trainer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -58,6 +60,18 @@ def exit_status(run: Callable[[], int], report: Callable[[str], None]) -> int:
     except TrainingStopped as e:
         report(f"training stopped: {e}")
         return EXIT_STOPPED
+
+
+def leave_signals_to_the_trainer(worker_id: int = 0) -> None:
+    """The `worker_init_fn` of the data loaders' worker processes. Schedulers signal every process of a job
+    (SLURM), or its process group (timeout, Kubernetes), and torchrun passes a signal on to each worker's group,
+    which holds its loader workers; torch's DataLoader makes a worker die of SIGTERM, so the trainer's next batch
+    failed before it could save. Loader workers now ignore the stop signals and leave them to the trainer,
+    which stops their processes once it has saved; and they die with it (Linux) if it is killed."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the trainer
 
 
 class StopSignals:

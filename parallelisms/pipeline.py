@@ -16,15 +16,25 @@ None in a stage); a family with another structure exports its own split_for_pipe
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, schedules
 
 from components.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import schedules
+
+
+def _pipelining():
+    """torch.distributed.pipelining, imported when a run uses it: it brings in torch's compiler (about a second
+    of every process's start-up otherwise)."""
+    return importlib.import_module("torch.distributed.pipelining")
 
 # The schedules a user may name, if the installed torch offers them (`offered_schedules`).
 KNOWN_SCHEDULES = (
@@ -42,7 +52,7 @@ def offered_schedules() -> list[str]:
     offered = []
     for name in KNOWN_SCHEDULES:
         try:
-            schedules.get_schedule_class(name)
+            _pipelining().schedules.get_schedule_class(name)
         except ValueError:
             continue
         offered.append(name)
@@ -55,12 +65,12 @@ def schedule_class(schedule_name: str) -> type:
             f"{SCHEDULE_KEYS} '{schedule_name}' is not offered by torch {torch.__version__}; "
             f"choose one of: {', '.join(offered_schedules())}"
         )
-    return schedules.get_schedule_class(schedule_name)
+    return _pipelining().schedules.get_schedule_class(schedule_name)
 
 
 def is_multi_stage(schedule_name: str) -> bool:
     """Whether the schedule runs several stages per rank (and so takes a list of stages)."""
-    return issubclass(schedule_class(schedule_name), schedules.PipelineScheduleMulti)
+    return issubclass(schedule_class(schedule_name), _pipelining().schedules.PipelineScheduleMulti)
 
 
 def is_v_style(schedule_name: str) -> bool:
@@ -209,7 +219,7 @@ def build_pipeline_schedule(
     cls = schedule_class(schedule_name)
     num_stages, pp_size = stages[0].num_stages, stages[0].group_size
     check_microbatches(schedule_name, n_microbatches, pp_size, num_stages)
-    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    multi = issubclass(cls, _pipelining().schedules.PipelineScheduleMulti)
     if not multi and len(stages) != 1:
         raise ValueError(f"{schedule_name} runs one stage per rank, got {len(stages)}")
     scale = n_microbatches * grad_accum_steps
@@ -293,7 +303,8 @@ def build_pipeline(
         )
     group = pp_mesh.get_group()
     stages = [
-        PipelineStage(part, stage_id, num_stages, device, group=group) for part, stage_id in zip(model_parts, stage_ids)
+        _pipelining().PipelineStage(part, stage_id, num_stages, device, group=group)
+        for part, stage_id in zip(model_parts, stage_ids)
     ]
     n_microbatches = local_batch // mb_size
     schedule = build_pipeline_schedule(stages, p.pipeline_parallel_schedule, n_microbatches, loss_fn, grad_accum_steps)

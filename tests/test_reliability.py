@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, losses, metric_lines
-from fault_injection import kill_tree
+from conftest import ON_HF, REPO, TINY, losses, metric_lines
+from fault_injection import descendants, kill_tree
 
 from components.checkpoint_integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
@@ -166,46 +166,48 @@ def test_integrity_check_finds_each_kind_of_damage(tmp_path, train_in_process):
     assert check_checkpoint(ckpt, verify_checksums=True) == "__0_0.distcp is missing"
 
 
+SIGNALLED = {  # signal, sent to, data (TINY's packed corpus unless ON_HF), processes
+    "SIGTERM-to-the-launcher-hf-1": (signal.SIGTERM, "launcher", ON_HF, 1),
+    "SIGUSR1-to-every-process-hf-2": (signal.SIGUSR1, "every process", ON_HF, 2),
+    "SIGTERM-to-every-process-packed-2": (signal.SIGTERM, "every process", [], 2),
+    "SIGUSR1-to-the-launcher-packed-1": (signal.SIGUSR1, "launcher", [], 1),
+}
+"""Each stop signal both ways a scheduler sends it: to the launcher (SLURM's --signal to the batch step, a
+plain kill), or to every process of the job at once (SLURM's job step, timeout and Kubernetes signal a process
+group; torchrun passes a signal on to each worker's group, loader workers included)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_signal_saves_a_checkpoint_and_exits_75(signum, references, tmp_path):
-    args = [*RUN, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+@pytest.mark.parametrize("name", SIGNALLED)
+def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(name, references, tmp_path):
+    """./run_train.sh with the default loader workers: the run saves the step it is at and exits 75, in a few
+    lines; the rerun resumes and ends the curve of an uninterrupted run."""
+    signum, target, data, nproc = SIGNALLED[name]
+    args = [arg for arg in RUN if arg not in ("--training.dataloader_workers", "0")]
+    args = [*args, *data, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(nproc),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     for line in proc.stdout:  # signal once step 4 is logged: somewhere inside step 5
         if " step      4 " in line:
-            proc.send_signal(signum)
+            for pid in [proc.pid, *(descendants(proc.pid) if target == "every process" else [])]:
+                os.kill(pid, signum)
             break
-    out = line + proc.stdout.read()
-    assert proc.wait(timeout=120) == 75, out[-3000:]
+    after = proc.stdout.read()
+    assert proc.wait(timeout=120) == 75, (line + after)[-3000:]
+    assert "Traceback" not in after and "killed by signal" not in after, after
     record = json.loads((tmp_path / "preempted.json").read_text())
     assert record["signal"] == signal.Signals(signum).name and record["step"] >= 4
     assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file()
-    assert "exiting with status 75" in out
-    resumed = launch(1, RUN, tmp_path)
+    assert "exiting with status 75" in after
+    resumed = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not (tmp_path / "preempted.json").exists()
-    assert losses(tmp_path) == references[1]
-
-
-@pytest.mark.slow
-def test_sigterm_to_torchrun_reaches_every_rank_which_save_together(references, tmp_path):
-    """SLURM signals the launcher; torchrun forwards SIGTERM to its workers and waits for them."""
-    args = [*RUN, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    for line in proc.stdout:
-        if " step      4 " in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = line + proc.stdout.read()
-    proc.wait(timeout=120)
-    record = json.loads((tmp_path / "preempted.json").read_text())
-    assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file(), out[-3000:]
-    resumed = launch(2, RUN, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert losses(tmp_path) == references[2]
+    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
+    if not data:  # the packed corpus: the references' data
+        assert losses(tmp_path) == references[nproc]
 
 
 def poison_loss_at(monkeypatch, steps: set[int], factor: float = float("nan")):

@@ -24,7 +24,7 @@ def test_quick_start_run_trains_and_writes_everything(tmp_path):
     metrics = metric_lines(dump)
     assert [m["step"] for m in metrics] == list(range(1, 61))
     assert set(metrics[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib",
-                               "skipped_steps", "nonfinite_steps", "spike_steps"}
+                               "skipped_steps", "nonfinite_steps", "spike_steps", "param_norm", "data_hash"}
     first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-5:]) / 5
     assert first > 8.0 and last < first - 2.5, (first, last)
     assert all(m["tokens_per_second"] > 0 and m["memory_gib"] > 0 for m in metrics)

@@ -46,6 +46,7 @@ from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from components.data.packed_format import PackedSplit, check_tokenizer, read_manifest
+from components.stopping import leave_signals_to_the_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class PackedDataLoader:
         self._loader = StatefulDataLoader(
             dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=num_workers,
             persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer,
             snapshot_every_n_steps=None,  # our own counter is the state; torchdata's snapshots would go unused
         )
 

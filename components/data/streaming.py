@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from components.data.packed import _hash, stop_workers
 from components.data.sources import DataError, Source, open_source
+from components.stopping import leave_signals_to_the_trainer
 from components.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class StreamingDataLoader:
         per_worker = len(self.dataset.streams) // max(self.workers, 1)
         self._loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                                   prefetch_factor=2 * per_worker if self.workers else None,
-                                  pin_memory=torch.cuda.is_available())
+                                  pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer)
         items = iter(self._loader)
         while True:
             rows = []
