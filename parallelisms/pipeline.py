@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.config import Config, ConfigError
+from components.moe_layer import moe_layers
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import schedules
@@ -249,6 +250,11 @@ class Pipeline:
     has_last_stage: bool
     n_microbatches: int
     """Pipeline micro-batches per local batch."""
+    parts: list[nn.Module]
+    """This rank's stages' modules."""
+    infers_shapes: bool = True
+    """Whether the next training step starts with torch's shape inference: its first, and the first after a
+    forward-only one (evaluation, validation)."""
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> list[torch.Tensor]:
         """Forward (and with `train`, backward) every micro-batch of one batch through the pipeline.
@@ -258,9 +264,17 @@ class Pipeline:
         target = labels if self.has_last_stage else None
         losses = [] if self.has_last_stage else None
         if train:
-            self.schedule.step(*stage_inputs, target=target, losses=losses, return_outputs=False)
+            forget = ForgetFirstRouting()
+            hooks = [part.register_forward_hook(forget) for part in self.parts] if self.infers_shapes else []
+            try:
+                self.schedule.step(*stage_inputs, target=target, losses=losses, return_outputs=False)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            self.infers_shapes = False
         else:
             self.schedule.eval(*stage_inputs, target=target, losses=losses)
+            self.infers_shapes = True
         return losses or []
 
     def score(self, inputs: torch.Tensor, labels: torch.Tensor,
@@ -277,7 +291,25 @@ class Pipeline:
                                return_outputs=False)
         finally:
             self.schedule._loss_fn = loss_fn
+        self.infers_shapes = True
         return torch.cat(scores) if self.has_last_stage else None
+
+
+class ForgetFirstRouting:
+    """A forward hook on a stage's modules for a training step that starts with shape inference: torch runs each
+    stage once on placeholder inputs (uninitialized memory past the first stage) to learn the shapes, and what the
+    stage's mixture-of-experts layers routed then is forgotten rather than added to the step's routing tally
+    (components/routing.py), which moves their biases: it made runs under pipeline parallelism depend on what
+    the memory held. Only each module's first forward of the step is the placeholder one."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+
+    def __call__(self, module: nn.Module, args, output) -> None:
+        if id(module) not in self.seen:
+            self.seen.add(id(module))
+            for _, layer in moe_layers(module):
+                layer.reset_tally()
 
 
 def build_pipeline(
@@ -309,5 +341,5 @@ def build_pipeline(
     n_microbatches = local_batch // mb_size
     schedule = build_pipeline_schedule(stages, p.pipeline_parallel_schedule, n_microbatches, loss_fn, grad_accum_steps)
     return Pipeline(schedule, has_first_stage=0 in stage_ids, has_last_stage=num_stages - 1 in stage_ids,
-                    n_microbatches=n_microbatches)
+                    n_microbatches=n_microbatches, parts=model_parts)
 

@@ -84,6 +84,8 @@ def test_expert_parallel_layout_matches_one_process(name, references, tmp_path):
         [m["data_hash"] for m in metric_lines(reference) if "loss" in m]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
+    if name.startswith("pp2"):  # the routing of torch's shape inference on placeholders is not counted (it was)
+        assert got == pytest.approx(expected, rel=1e-6, abs=0)
     for step, norm in grad_norms(reference).items():
         assert grad_norms(tmp_path)[step] == pytest.approx(norm, rel=1e-3), (name, step)
     moe_records = [m for m in metric_lines(tmp_path) if "loss" in m]
