@@ -5,9 +5,10 @@ bytes read, for 1, 2 and 4 ranks reading the same global batches.
         [--workers 2] [--ranks 1 2 4] [--make-jsonl-gb 1]
 
 Each rank is a process of its own (started together, as torchrun starts them) that builds its loader and takes
-`steps` global batches' worth of its batches; it reports its wall seconds, CPU seconds (its own and its loader
-workers'), the peak resident memory of itself and of its workers, and the bytes it and its workers read
-(/proc/<pid>/io rchar: files, whether from the disk or the page cache). `--make-jsonl-gb N` first writes a
+`steps` global batches' worth of its batches; it reports, from after its imports to the end, its wall seconds,
+CPU seconds (its own and its loader workers'), the memory the loader added (proportional set sizes: a page
+shared by the forked workers counts once in all), and the bytes it and its workers read (/proc/<pid>/io rchar:
+files, whether from the disk or the page cache). `--make-jsonl-gb N` first writes a
 JSON-lines file of about N GB (the shipped corpus repeated) and measures that. Linux only (/proc).
 """
 
@@ -28,11 +29,12 @@ TOKENIZER = REPO / "tests" / "assets" / "tokenizers" / "shakespeare_bpe_4k.model
 
 
 def proc_stat(pid: int) -> tuple[int, int]:
-    """(rchar, peak resident bytes) of a live process."""
+    """(rchar, proportional resident bytes: shared pages divided among the processes sharing them) of a live
+    process."""
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-    return int(io["rchar"]), peak
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    pss = next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+    return int(io["rchar"]), pss
 
 
 def cpu_seconds(pid: int) -> float:
@@ -50,8 +52,8 @@ def one_rank(args: argparse.Namespace) -> None:
     from components.data.streaming import build_streaming_dataloader
     from components.tokenizer import build_tokenizer
 
-    start = time.perf_counter()
-    rchar_before = proc_stat(os.getpid())[0]
+    start, cpu_before = time.perf_counter(), cpu_seconds(os.getpid())
+    rchar_before, memory_before = proc_stat(os.getpid())
     local = args.global_batch // args.ranks
     loader = build_streaming_dataloader([args.data], "text", build_tokenizer(str(TOKENIZER)), args.seq_len, local,
                                         args.global_batch, args.rank, args.ranks, args.workers, seed=0)
@@ -60,9 +62,9 @@ def one_rank(args: argparse.Namespace) -> None:
         next(batches)
     workers = children(os.getpid())
     stats = [proc_stat(pid) for pid in [os.getpid(), *workers]]
-    cpu = sum(cpu_seconds(pid) for pid in [os.getpid(), *workers])
+    cpu = sum(cpu_seconds(pid) for pid in [os.getpid(), *workers]) - cpu_before
     print(json.dumps({"rank": args.rank, "seconds": time.perf_counter() - start, "cpu_seconds": cpu,
-                      "peak_rss_mib": sum(peak for _, peak in stats) / 2**20,
+                      "memory_mib": (sum(pss for _, pss in stats) - memory_before) / 2**20,
                       "read_mib": (sum(r for r, _ in stats) - rchar_before) / 2**20, "workers": len(workers)}))
     loader.close()
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = args.steps * args.global_batch * (args.seq_len + 1)
         print(f"{args.data} ({size:,.0f} MiB): {args.steps} global batches of {args.global_batch} x "
               f"{args.seq_len + 1} tokens ({tokens:,} tokens), {args.workers} loader workers per rank")
-        print("| ranks | seconds per rank | CPU seconds per rank | peak memory per rank (MiB) | read per rank (MiB) |")
+        print("| ranks | seconds per rank | CPU seconds per rank | memory per rank (MiB) | read per rank (MiB) |")
         print("| ---: | ---: | ---: | ---: | ---: |")
         for ranks in args.ranks:
             command = [sys.executable, "-m", "scripts.benchmark.stream_cost", "--data", args.data, "--steps",
@@ -106,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             processes = [subprocess.Popen([*command, "--rank", str(rank)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                                           env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in range(ranks)]
             rows = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in processes]
-            mean = {key: sum(r[key] for r in rows) / len(rows) for key in ("seconds", "cpu_seconds", "peak_rss_mib",
+            mean = {key: sum(r[key] for r in rows) / len(rows) for key in ("seconds", "cpu_seconds", "memory_mib",
                                                                          "read_mib")}
-            print(f"| {ranks} | {mean['seconds']:.1f} | {mean['cpu_seconds']:.1f} | {mean['peak_rss_mib']:,.0f} | "
+            print(f"| {ranks} | {mean['seconds']:.1f} | {mean['cpu_seconds']:.1f} | {mean['memory_mib']:,.0f} | "
                   f"{mean['read_mib']:,.1f} |", flush=True)
     return 0
 
