@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch train.py with torchrun on this machine, through components/launch.py: it exits with the workers' own
-# status (0; 2 bad config or input; 3 stopped by the step guard; 75 preempted after a checkpoint; the worst one
+# status (0; 2 bad config or input; 3 stopped by the step guard; 4 a hang; 75 preempted after a checkpoint; the worst one
 # when ranks differ; see docs/reliability.md) and shows a failure once, from the rank that failed first.
 #   NGPU         processes on this node (default: the number of CUDA GPUs, or 1 without CUDA)
 #   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml); a later

@@ -32,6 +32,7 @@ from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
+from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, ZLossFigure
@@ -157,8 +158,7 @@ def train(config: Config, signals: StopSignals) -> int:
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics)]
     step_features += [ZLossFigure(z_loss, model)] if z_loss else []
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
-    step_features.append(SourceTokens(dataloader, dp_group, device))
-    step_features.append(ParamNorm(optimizers, model.pp_group))
+    step_features += [SourceTokens(dataloader, dp_group, device), ParamNorm(optimizers, model.pp_group)]
     step_features.append(data_hash := DataHash(dataloader, dp_group, device))
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
@@ -167,9 +167,11 @@ def train(config: Config, signals: StopSignals) -> int:
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
+    heartbeat = Heartbeat(config.comm.train_timeout_seconds)
     try:
         with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
             for step in range(start_step + 1, training.steps + 1):
+                heartbeat.beat(step, 0)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
                 # which would pollute the per-layer statistics.
@@ -180,6 +182,7 @@ def train(config: Config, signals: StopSignals) -> int:
                                                      optimizers, record_layers)
                 skip = step_guard.decide(step, loss, grad_norm)
                 optimizers.step(skip=skip)
+                heartbeat.beat(step, 1)
                 lr_schedule.step()
                 train_state.step = step
                 metrics.count_tokens(plan.tokens_per_step)
@@ -202,6 +205,10 @@ def train(config: Config, signals: StopSignals) -> int:
                 profiler.step(step)
                 if stop_now and step < training.steps:
                     return preemption.stop(step)
+    except RuntimeError as e:  # torch's DistBackendError too: a collective that timed out names the ranks behind
+        if is_timeout(e):
+            raise heartbeat.stopped(e) from e
+        raise
     finally:
         checkpointer.close()
         dataloader.close()

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
 
-from components.stopping import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_STOPPED
+from components.stopping import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
 
-KNOWN = (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED)
+KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
 LAUNCHED = "INGOT_LAUNCHER"
 """Set in the environment of this launcher's workers, which leave their failure reports to it."""
@@ -32,9 +32,10 @@ LAUNCHED = "INGOT_LAUNCHER"
 
 def worst_status(statuses: Iterable[int]) -> int:
     """The status that speaks for several processes: a crash (1, 128+N after signal N, any other) over 3 (step guard)
-    over 2 (bad input) over 75 (preempted, checkpoint saved) over 0; of several crashes, the highest number (a signal
-    says more than 1). A crash must not hide behind a stop that explains itself, a run that a person must change
-    (3, 2) behind one that only needs running again (75), and nothing behind 0."""
+    over 2 (bad input) over 4 (hang) over 75 (preempted, checkpoint saved) over 0; of several crashes, the highest
+    number (a signal says more than 1). A crash must not hide behind a stop that explains itself, a run that a
+    person must change (3, 2) behind one that may run again (4 after a look at the ranks it names, 75 as it is),
+    and nothing behind 0."""
     return max(statuses, key=lambda s: (0, KNOWN.index(s)) if s in KNOWN else (1, s), default=0)
 
 

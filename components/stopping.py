@@ -2,8 +2,9 @@
 
 Exit statuses (docs/reliability.md): 0 done; 1 a crash (a traceback); EXIT_BAD_INPUT (2) a config or input
 that cannot be used, found at start-up with one line; EXIT_STOPPED (3) the step guard stopped the run
-(non-finite values, too many skipped steps); EXIT_PREEMPTED (75) stopped by a signal after saving a
-checkpoint. `exit_status` maps what ended train() to them.
+(non-finite values, too many skipped steps); EXIT_HUNG (4) a rank stopped making progress and a collective
+timed out (one screen names the ranks); EXIT_PREEMPTED (75) stopped by a signal after saving a checkpoint.
+`exit_status` maps what ended train() to them.
 
 Preemption. SLURM sends SIGTERM before killing a job (preemption, scancel; SIGKILL follows after its
 GraceTime/KillWait), and `#SBATCH --signal=USR1@<seconds>` sends SIGUSR1 that long before the time limit.
@@ -33,14 +34,15 @@ import torch
 import torch.distributed as dist
 
 from components.config import ConfigError
+from components.heartbeat import Hung
 from components.run_lock import FolderInUse
 from components.step_guard import TrainingStopped
 
 logger = logging.getLogger(__name__)
 
-EXIT_BAD_INPUT, EXIT_STOPPED = 2, 3
+EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG = 2, 3, 4
 """A config or input that cannot be used; a run stopped by its step guard (non-finite values, too many skipped
-steps)."""
+steps); a run whose collective timed out because a rank stopped making progress (components/heartbeat.py)."""
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL of sysexits.h:
 "try again later")."""
@@ -60,6 +62,9 @@ def exit_status(run: Callable[[], int], report: Callable[[str], None]) -> int:
     except TrainingStopped as e:
         report(f"training stopped: {e}")
         return EXIT_STOPPED
+    except Hung as e:
+        report(f"hang: {e}")
+        return EXIT_HUNG
 
 
 def leave_signals_to_the_trainer(worker_id: int = 0) -> None:

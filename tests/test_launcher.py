@@ -31,10 +31,11 @@ def run_train(nproc: int, args: list[str], dump: Path) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def test_the_worst_status_is_a_crash_then_the_step_guard_then_bad_input_then_a_preemption():
+def test_the_worst_status_is_a_crash_then_the_step_guard_then_bad_input_then_a_hang_then_a_preemption():
     assert worst_status([0, 75, 2, 3, 1]) == 1
     assert worst_status([0, 75, 2, 3]) == 3
-    assert worst_status([75, 2, 0]) == 2
+    assert worst_status([75, 2, 0, 4]) == 2
+    assert worst_status([75, 4, 0]) == 4
     assert worst_status([0, 75]) == 75 and worst_status([0, 0]) == 0 and worst_status([]) == 0
     assert worst_status([1, 128 + signal.SIGKILL, 75]) == 137  # of crashes, a signal's says more than 1
     assert worst_status([75, 143]) == 143

@@ -322,13 +322,22 @@ def test_a_checkpoint_of_another_model_shape_is_named_by_parameter(tmp_path, tra
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_run_within_the_collective_timeout(tmp_path):
+def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_with_exit_status_4(tmp_path):
+    """Rank 1 stops in step 4 (it sleeps, as a frozen or SIGSTOPped process would): rank 0's collective times
+    out, and the launcher exits 4 with one screen naming rank 1 and its step; the last checkpoint is intact."""
     start = time.monotonic()
-    result = launch(2, [*RUN, "--comm.train_timeout_seconds", "5"], tmp_path, fault="hang-step:4:1", timeout=240)
-    assert result.returncode != 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT="hang-step:4:1")
+    result = subprocess.run([sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
+                             "tests/fault_injection.py", *RUN, "--comm.train_timeout_seconds", "5",
+                             "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 4, result.stderr[-3000:]
     assert time.monotonic() - start < 120
-    output = (result.stdout + result.stderr).lower()
-    assert "timed out" in output or "timeout" in output
+    lines = [line for line in result.stderr.splitlines() if "hang:" in line]
+    assert len(lines) == 1 and "on rank 0 in step 4 after its optimizer step: 1 rank(s) stopped making progress: " \
+        "rank 1 in step 4 before its optimizer step, last heard" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 25, result.stderr
+    assert check_checkpoint(tmp_path / "checkpoint" / "step-3", verify_checksums=True) is None
 
 
 def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, capsys):
