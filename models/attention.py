@@ -6,6 +6,8 @@ every family edits this file."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import SequenceParallel
@@ -44,9 +46,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-# Compiled once at import (compilation itself happens on first call): eager flex_attention
-# materializes the whole score matrix; compiled, it is a fused kernel that skips masked blocks.
-compiled_flex_attention = torch.compile(flex_attention)
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def compiled_flex_attention(*args, **kwargs):
+    """flex_attention, compiled on its first call: eager, it materializes the whole score matrix; compiled, it is
+    a fused kernel that skips masked blocks. (Compiling at import would import torch's compiler into every
+    process, about two seconds of its start-up.)"""
+    return _compiled_flex_attention()(*args, **kwargs)
 
 
 def use_flex_attention(device: torch.device) -> bool:

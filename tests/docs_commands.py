@@ -36,7 +36,7 @@ and then one document sees. What the runner changes, and why:
   of 2 steps; coord_check 2 steps. In the scratch copy, the sweep files (train_configs/sweeps/) keep the
   first 2 values of each grid key and their first 2 [[runs]], of 2 steps each; the ladder files
   (train_configs/ladders/) keep their first 2 token budgets, a 32nd of each, with 2 warm-up steps and no
-  bootstrap (losses this close to the initial ones give the resamples nothing to fit).
+  bootstrap; both validate on 2 batches (losses this close to the initial ones give the resamples nothing to fit).
   Each command still starts its processes as documented: that, not the steps, is most of its time.
 - A checkpoint `DIR/checkpoint/step-N` that a command names but the cut-short runs did not write stands
   for DIR's newest checkpoint.
@@ -239,7 +239,7 @@ def copy_repository(repo: Path, scratch: Path) -> None:
             shutil.copy2(repo / name, scratch / name)
     for sweep in (scratch / "train_configs" / "sweeps").glob("*.toml"):
         data = tomllib.loads(sweep.read_text())
-        data.setdefault("overrides", {})["training.steps"] = STEPS
+        data.setdefault("overrides", {}).update({"training.steps": STEPS, "validation.steps": STEPS})
         if "grid" in data:
             data["grid"] = {key: values[:2] for key, values in data["grid"].items()}
         if "runs" in data:
@@ -248,7 +248,7 @@ def copy_repository(repo: Path, scratch: Path) -> None:
     for ladder in (scratch / "train_configs" / "ladders").glob("*.toml"):
         data = tomllib.loads(ladder.read_text())
         data["bootstrap"] = 0
-        data.setdefault("overrides", {})["lr_scheduler.warmup_steps"] = 2
+        data.setdefault("overrides", {}).update({"lr_scheduler.warmup_steps": 2, "validation.steps": STEPS})
         for table in (data, *data.get("rungs", [])):
             if "tokens" in table:
                 table["tokens"] = [int(tokens) // 32 for tokens in table["tokens"][:2]]

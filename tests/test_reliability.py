@@ -181,7 +181,7 @@ group; torchrun passes a signal on to each worker's group, loader workers includ
 @pytest.mark.parametrize("name", SIGNALLED)
 def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(name, references, tmp_path):
     """./run_train.sh with the default loader workers: the run saves the step it is at and exits 75, in a few
-    lines; the rerun resumes and ends the curve of an uninterrupted run."""
+    lines; on the packed corpus the rerun resumes and ends the curve of an uninterrupted run."""
     signum, target, data, nproc = SIGNALLED[name]
     args = [arg for arg in RUN if arg not in ("--training.dataloader_workers", "0")]
     args = [*args, *data, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
@@ -201,13 +201,13 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(na
     assert record["signal"] == signal.Signals(signum).name and record["step"] >= 4
     assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file()
     assert "exiting with status 75" in after
+    if data:  # resuming the hf loader exactly is tests/test_streaming_training.py's
+        return
     resumed = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not (tmp_path / "preempted.json").exists()
-    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
-    if not data:  # the packed corpus: the references' data
-        assert losses(tmp_path) == references[nproc]
+    assert losses(tmp_path) == references[nproc]
 
 
 def poison_loss_at(monkeypatch, steps: set[int], factor: float = float("nan")):

@@ -192,13 +192,26 @@ class RankSampler(Sampler[int]):
 
 
 def stop_workers(loader: StatefulDataLoader) -> None:
-    """Stop `loader`'s worker processes and its queue threads now rather than at garbage collection, which an
-    exception's traceback can put off indefinitely: a process that goes on and forks again (train.main called
-    from a notebook or the test suite) can crash the new child if it forks while those threads run. This is the
-    DataLoader's own shutdown (a private method, stable since torch 1.x); a loader without workers has none."""
+    """Stop the worker processes of `loader`'s persistent iterator (see stop_iterator)."""
     iterator, loader._iterator = loader._iterator, None
-    if hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
+    stop_iterator(iterator)
+
+
+def stop_iterator(iterator) -> None:
+    """Stop a DataLoader iterator's worker processes and its queue threads now rather than at garbage collection,
+    which an exception's traceback can put off indefinitely: a process that goes on and forks again (train.main
+    called from a notebook or the test suite) can crash the new child if it forks while those threads run, and
+    one that exits would wait for workers that ignore the SIGTERM it stops them with (they leave the stop signals
+    to the trainer, components/stopping.py): those still alive after the DataLoader's own shutdown (a private
+    method, stable since torch 1.x) are killed. An iterator without workers has none."""
+    if not hasattr(iterator, "_shutdown_workers"):
+        return
+    workers = list(getattr(iterator, "_workers", []))
+    iterator._shutdown_workers()
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 class PackedDataLoader:

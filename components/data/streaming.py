@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from components.data.packed import _hash, stop_workers
+from components.data.packed import _hash, stop_iterator
 from components.data.sources import DataError, Source, open_source
 from components.stopping import leave_signals_to_the_trainer
 from components.tokenizer import Tokenizer
@@ -199,7 +199,7 @@ class StreamingDataLoader:
         self.dataset, self.local_batch_size, self.workers, self.paths = dataset, local_batch_size, workers, list(paths)
         self.names = [source.name for source in dataset.sources]
         self.states = {j: dataset.states.get(v) for j, v in enumerate(dataset.streams)}
-        self._loader: DataLoader | None = None
+        self._items = None  # the iterator of the torch DataLoader, which owns the worker processes
 
     @property
     def tokens_by_source(self) -> dict[str, int]:
@@ -211,10 +211,10 @@ class StreamingDataLoader:
         self.close()
         self.dataset.states = {self.dataset.streams[j]: state for j, state in self.states.items() if state}
         per_worker = len(self.dataset.streams) // max(self.workers, 1)
-        self._loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
-                                  prefetch_factor=2 * per_worker if self.workers else None,
-                                  pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer)
-        items = iter(self._loader)
+        loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
+                            prefetch_factor=2 * per_worker if self.workers else None,
+                            pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer)
+        items = self._items = iter(loader)
         while True:
             rows = []
             for _ in range(self.local_batch_size):
@@ -243,9 +243,8 @@ class StreamingDataLoader:
             self.states[j] = saved[f"stream_{v}"]["state"]
 
     def close(self) -> None:
-        if self._loader is not None:
-            stop_workers(self._loader)
-            self._loader = None
+        stop_iterator(self._items)
+        self._items = None
 
 
 def _unique_names(sources: list[Source]) -> None:
