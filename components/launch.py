@@ -129,13 +129,25 @@ def _not_replaced(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def restarts_allowed(argv: list[str]) -> int:
+    """job.max_restarts of the training run torchrun's arguments start: read from the arguments that follow the
+    script (a config file and overrides), 0 where they do not load (the workers will say why)."""
+    from torch.distributed import run as torchrun
+
+    from components.config import ConfigError, load_config
+
+    try:
+        return load_config(list(torchrun.parse_args(argv).training_script_args)).job.max_restarts
+    except (ConfigError, OSError, ValueError):
+        return 0
+
+
+def launch_once(argv: list[str]) -> tuple[int, list[str], bool]:
+    """torchrun once: the workers' status, what to print, and whether the launcher itself got a signal."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ[LAUNCHED] = "1"
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
     workers, signalled = Workers(), None
     with mock.patch.object(PContext, "close", workers.watch(PContext.close)):
         try:
@@ -145,9 +157,26 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:  # torchrun passed the signal on and waited for the workers
             signalled = 128 + e.sigval
     status, lines = workers.outcome()
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
-    return status if status is not None else signalled or 0
+    return (status if status is not None else signalled or 0), lines, signalled is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun, and again after a crash or a hang as many times as job.max_restarts allows: each attempt resumes
+    the run's last checkpoint. Never after bad input (2), the step guard (3), a preemption (75) or a signal to the
+    launcher: those a person or the scheduler decides on."""
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ[LAUNCHED] = "1"
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
+    restarts = restarts_allowed(argv)
+    for attempt in range(restarts + 1):
+        status, lines, signalled = launch_once(argv)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        if signalled or status in (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED) or attempt == restarts:
+            return status
+        cause = lines[0] if lines else f"exit status {status}"
+        print(f"restart {attempt + 1} of {restarts} (job.max_restarts) after: {cause}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   hang-step:N:R    rank R stops responding (sleeps) during step N
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
 
+With INGOT_FAULT_ONCE=<path> each rank arms the fault only where <path>.rank<R> does not exist yet, and creates
+it: a job that restarts after the fault (job.max_restarts) then runs clean.
 """
 
 import os
@@ -99,5 +101,10 @@ def inject(kind: str, step: int, rank: int | None) -> None:
 
 if __name__ == "__main__":
     kind, step, *rank = os.environ["INGOT_FAULT"].split(":")
-    inject(kind, int(step), int(rank[0]) if rank else None)
+    once = os.environ.get("INGOT_FAULT_ONCE")
+    marker = Path(f"{once}.rank{os.environ.get('RANK', '0')}") if once else None
+    if marker is None or not marker.exists():
+        if marker is not None:
+            marker.touch()
+        inject(kind, int(step), int(rank[0]) if rank else None)
     sys.exit(train.run_worker(train.main))

@@ -1,7 +1,6 @@
 """run_train.sh (components/launch.py: torchrun, then the workers' status) exits with what its workers exited
 with, and shows a failure once: a config error's line, a step-guard stop, a preemption, a crash's traceback."""
 
-import json
 import os
 import signal
 import subprocess
@@ -62,23 +61,6 @@ def test_a_non_finite_loss_exits_3_with_its_line_once(nproc, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigusr1_to_run_train_sh_saves_a_checkpoint_and_exits_75(nproc, tmp_path):
-    args = [*RUN, "--training.steps", "400", "--checkpoint.enable", "true", "--checkpoint.interval", "100"]
-    proc = start([str(REPO / "run_train.sh"), *args], nproc, tmp_path)
-    for line in proc.stdout:  # signal once step 4 is logged: somewhere inside step 5
-        if " step      4 " in line:
-            proc.send_signal(signal.SIGUSR1)  # to run_train.sh's process, which became the launcher
-            break
-    out = line + proc.stdout.read()
-    assert proc.wait(timeout=120) == 75, out
-    record = json.loads((tmp_path / "preempted.json").read_text())
-    assert record["signal"] == "SIGUSR1" and record["step"] >= 4
-    assert (tmp_path / "checkpoint" / f"step-{record['step']}" / "integrity.json").is_file()
-    assert "Traceback" not in out and "ChildFailedError" not in out
-
-
-@pytest.mark.slow
 def test_a_crash_exits_1_and_shows_the_first_failing_ranks_traceback_once(tmp_path):
     """Rank 1 raises during step 3; rank 0, stopped by torchrun or by the broken collective, stays silent. Started
     as on a node of a multi-node job (--nnodes, --rdzv-*), which run_train.sh's --standalone stands for."""
@@ -91,3 +73,27 @@ def test_a_crash_exits_1_and_shows_the_first_failing_ranks_traceback_once(tmp_pa
     assert "rank 1 crashed (exit status 1):\nTraceback (most recent call last):" in out, out
     assert out.count("Traceback") == 1 and out.count("RuntimeError: fault injected at step 3") == 1, out
     assert "ChildFailedError" not in out
+
+
+@pytest.mark.slow
+def test_a_crash_restarts_the_job_which_resumes_its_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
+    """job.max_restarts 1: rank 1 raises during step 5 of the first attempt; the launcher names the crash, starts
+    the job again, which resumes step 4's checkpoint, and exits 0 with the losses of a run that never crashed.
+    Bad input is never retried."""
+    from conftest import losses
+
+    run = [*RUN, "--training.steps", "8", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+           "--job.max_restarts", "1"]
+    command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
+               "tests/fault_injection.py", *run]
+    proc = start(command, 2, tmp_path / "restarted", INGOT_FAULT="raise-step:5:1",
+                 INGOT_FAULT_ONCE=str(tmp_path / "fired"))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert out.count("restart 1 of 1 (job.max_restarts) after: rank 1 crashed (exit status 1):") == 1, out
+    assert "resuming" in out.lower() or "checkpoint/step-4" in out, out
+    status, clean = run_train(2, run, tmp_path / "clean")
+    assert status == 0, clean
+    assert losses(tmp_path / "restarted") == losses(tmp_path / "clean")
+    status, refused = run_train(1, [*run, "--training.stepz", "3"], tmp_path / "bad")
+    assert status == 2 and "restart" not in refused, refused

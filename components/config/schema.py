@@ -69,6 +69,10 @@ class Job:
     dump_folder: str = "./outputs"
     """Everything a run writes goes here: config.toml, metrics.jsonl, tb/, checkpoints."""
     description: str = "ingot training job"
+    max_restarts: int = 0
+    """Under run_train.sh (components/launch.py): run the job again after a crash or a hang (exit status 4), up
+    to this many times, each attempt resuming the last checkpoint; never after bad input (2), the step guard
+    (3) or a preemption (75)."""
 
 
 @dataclass
@@ -424,6 +428,7 @@ CHOICES = {
 
 
 RANGES = {
+    "job.max_restarts": NON_NEGATIVE,
     "moe.num_experts": COUNT, "moe.top_k": COUNT, "moe.hidden_dim": COUNT, "moe.bias_update_speed": OFF_AT_0,
     "moe.aux_loss_coef": NON_NEGATIVE, "moe.z_loss_coef": NON_NEGATIVE,
     "optimizer.lr": NON_NEGATIVE, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
