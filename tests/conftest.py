@@ -89,6 +89,20 @@ def initial_weights(dump: Path) -> dict:
     return weights
 
 
+def reference_runs(tmp_path_factory, base: list[str], sources: dict[str, list[str]]) -> dict[str, Path]:
+    """Single-process runs of `base` (at a local batch of 8) on each data source, by name: the runs that the
+    parity tests compare their layouts with."""
+    sys.path.insert(0, str(REPO))
+    import train
+
+    dumps = {}
+    for name, source in sources.items():
+        dumps[name] = tmp_path_factory.mktemp(f"reference_{name}")
+        assert train.main([*base, *source, "--training.local_batch_size", "8", "--job.dump_folder",
+                           str(dumps[name])]) == 0
+    return dumps
+
+
 def losses(dump: Path) -> dict[int, float]:
     """step -> loss; a resumed run's later entries replace the earlier ones."""
     return {m["step"]: m["loss"] for m in metric_lines(dump) if "loss" in m}

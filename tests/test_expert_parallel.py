@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, REPO, losses, metric_lines, torchrun
+from conftest import ON_HF, ON_PACKED, REPO, losses, metric_lines, reference_runs, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -57,15 +57,8 @@ def grad_norms(dump) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The single-process runs every layout is compared with, by data."""
-    import train
-
-    dumps = {}
-    for data, source in DATA.items():
-        dumps[data] = tmp_path_factory.mktemp(f"reference_{data}")
-        assert train.main([*BASE, *source, "--training.local_batch_size", "8", "--job.dump_folder",
-                           str(dumps[data])]) == 0
-    return dumps
+    """The single-process runs the layouts are compared with, by data."""
+    return reference_runs(tmp_path_factory, BASE, DATA)
 
 
 @pytest.fixture(scope="module")

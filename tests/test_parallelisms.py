@@ -9,7 +9,18 @@ import sys
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, REPO, TINY, initial_weights, losses, metric_lines, torchrun, val_losses
+from conftest import (
+    ON_HF,
+    ON_PACKED,
+    REPO,
+    TINY,
+    initial_weights,
+    losses,
+    metric_lines,
+    reference_runs,
+    torchrun,
+    val_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -128,14 +139,7 @@ def test_compiled_tensor_parallel_blocks_that_recompute_attention_keep_its_outpu
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The single-process runs the layouts are compared with, by data."""
-    import train
-
-    dumps = {}
-    for data, source in DATA.items():
-        dumps[data] = tmp_path_factory.mktemp(f"reference_{data}")
-        assert train.main([*BASE, *source, "--training.local_batch_size", "8", "--job.dump_folder",
-                           str(dumps[data])]) == 0
-    return dumps
+    return reference_runs(tmp_path_factory, BASE, DATA)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 
 from components.config.loading import _toml_value, model_config_class
@@ -28,11 +29,14 @@ def families() -> list[str]:
 
 
 def key_docs(cls: type) -> dict[str, str]:
-    """{key: its docstring} of the fields a dataclass defines itself (not those it inherits)."""
-    docs, body = {}, ast.parse(inspect.getsource(cls)).body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    """{key: its docstring} of a dataclass's fields, those it inherits included (a family's ModelConfig extends a
+    shared one)."""
+    docs = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 
