@@ -135,9 +135,7 @@ def train(config: Config, signals: StopSignals) -> int:
                                                 args=model_args),
         run_record=record,
     )
-    if config.checkpoint.create_seed_checkpoint:
-        if world_size != 1:
-            raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
+    if config.checkpoint.create_seed_checkpoint:  # one process (components/layout_checks.py)
         logger.info(f"config written to {dump_config(config, dump_folder, 0)}")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
         return 0

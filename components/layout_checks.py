@@ -40,6 +40,8 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
             "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
             f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
         )
+    if config.checkpoint.create_seed_checkpoint and dims.world_size != 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
     if config.evaluation.enable and not config.evaluation.tasks:
         raise ConfigError("evaluation.enable needs at least one task in evaluation.tasks")
 
