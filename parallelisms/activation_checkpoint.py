@@ -3,7 +3,9 @@
 - full: every block keeps only its input; backward reruns the whole block.
 - selective by layer ("N"): every N-th block is checkpointed in full, the others keep everything.
 - selective by op ("op"): every block is checkpointed, but the outputs of matmuls and attention
-  (the expensive ops) are saved, so backward only recomputes the cheap elementwise work.
+  (the expensive ops) are saved, so backward only recomputes the cheap elementwise work. Ring attention's
+  per-block kernels are the exception: keeping cp blocks of outputs would undo the ring's memory saving,
+  so they run again (with the ring's communication).
 
 Recomputation reruns the same kernels on the same inputs, so losses and gradients are identical to
 a run without checkpointing."""
@@ -15,6 +17,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from parallelisms.ring_attention import inside_ring
 
 # Ops whose outputs selective-by-op checkpointing keeps rather than recomputes.
 SAVED_OPS = {
@@ -33,7 +37,8 @@ ATTENTION_OPS = {op for op in SAVED_OPS if "scaled_dot_product" in str(op)}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in SAVED_OPS and not (op in ATTENTION_OPS and inside_ring())
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -1,5 +1,6 @@
 """Context parallelism: the ranks of the `cp` mesh dimension split every sample's sequence, and
-attention sees all of it by all-gathering the keys and values.
+attention, the one layer that mixes positions, sees all of it by one of three methods
+(parallelism.context_parallel_method; docs/parallelisms.md says when to pick which).
 
 Zigzag sharding. Under a causal mask a query attends to the keys before it, so a contiguous split
 would leave the first rank almost idle and the last one with most of the work. The sequence is
@@ -7,16 +8,23 @@ instead cut into 2 * cp chunks and rank r takes chunks r and 2*cp-1-r: one early
 rank's two query chunks then see (r + 1) + (2*cp - r) = 2*cp + 1 chunks of keys in all, the same
 on every rank.
 
-All-gather KV (what Llama 3 used for long context). Before attention every rank all-gathers the
-keys and values of the whole sequence (one all-gather per layer for both) and attends to them with
-its own queries. Keys and values are small next to the activations (grouped-query attention has
-few KV heads), and attention stays a plain `scaled_dot_product_attention` with a mask: no ring of
-partial softmaxes, no attention kernel of its own, so one code path serves CPU/gloo and CUDA/NCCL
-(torch's experimental context_parallel has no CPU attention). The backward of the all-gather is a
-reduce-scatter: every rank's queries used every rank's keys and values, so each rank's key/value
-gradient is the sum of all ranks' contributions to it.
-"""
+allgather (what Llama 3 used for long context). Before attention every rank all-gathers the keys and
+values of the whole sequence (one all-gather per layer for both) and attends to them with its own
+queries through a plain `scaled_dot_product_attention` with a mask. Keys and values are small next to
+the activations (grouped-query attention has few KV heads), but every rank holds all of them. The
+backward of the all-gather is a reduce-scatter: every rank's queries used every rank's keys and values,
+so each rank's key/value gradient is the sum of all ranks' contributions to it.
 
+ring: keys and values travel around the ranks, a block at a time (parallelisms/ring_attention.py).
+
+alltoall (Ulysses). An all-to-all trades the sequence split for a split of the heads: each rank then
+holds the whole sequence for cp-th of the heads, attends causally with the fused kernel, and a second
+all-to-all trades back. Needs the heads each rank holds (after tensor parallelism) to divide by cp;
+key/value heads that do not are repeated up to the query heads first.
+
+All three run the same code on CPU/gloo and CUDA/NCCL (torch's experimental context_parallel has no
+CPU attention).
+"""
 from __future__ import annotations
 
 from functools import partial
@@ -24,8 +32,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from components.config import ConfigError
+from parallelisms.ring_attention import ring_attention
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -106,15 +118,69 @@ def zigzag_attention(
     return torch.cat(outputs, dim=2)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> nn.Module:
+def rank_order(seq_len: int, cp_size: int) -> torch.LongTensor:
+    """The sequence positions of the ranks' zigzag shares concatenated in rank order."""
+    return torch.cat([zigzag_positions(seq_len, cp_size, rank) for rank in range(cp_size)])
+
+
+def _heads_for_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """All-to-all: (batch, heads, local_seq, d), this rank's share of the sequence, becomes (batch, heads / cp,
+    cp * local_seq, d), cp-th of the heads for every rank's share (in rank order). (DTensor's Shard -> Shard
+    falls back to an all-gather on gloo; this is an all-to-all everywhere.)"""
+    cp = cp_mesh.size()
+    send = x.unflatten(1, (cp, -1)).movedim(1, 0).contiguous()  # (cp: the rank the heads go to, batch, ...)
+    received = all_to_all_single_autograd(send.flatten(0, 1), None, None, cp_mesh.get_group())
+    return received.view_as(send).movedim(0, 2).flatten(2, 3)  # (batch, heads / cp, cp: from rank, local_seq, d)
+
+
+def _sequence_for_heads(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """The all-to-all back: (batch, heads / cp, cp * local_seq, d) to (batch, heads, local_seq, d)."""
+    cp = cp_mesh.size()
+    send = x.unflatten(2, (cp, -1)).movedim(2, 0).contiguous()  # (cp: the rank the sequence share goes to, ...)
+    received = all_to_all_single_autograd(send.flatten(0, 1), None, None, cp_mesh.get_group())
+    return received.view_as(send).movedim(0, 1).flatten(1, 2)  # (batch, cp: from rank, heads / cp, ...)
+
+
+def check_heads_divide(n_heads: int, cp_size: int) -> None:
+    if n_heads % cp_size:
+        raise ConfigError(
+            f"parallelism.context_parallel_method alltoall splits the {n_heads} query heads each rank holds (after "
+            f"tensor parallelism) over parallelism.context_parallel_degree {cp_size} ranks, which does not divide "
+            "them: pick ring or allgather, or a degree that divides the heads")
+
+
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Ulysses: the causal attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the
+    heads, with the fused kernel and no mask."""
+    cp_size = cp_mesh.size()
+    check_heads_divide(q.shape[1], cp_size)
+    if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    order = rank_order(q.shape[2] * cp_size, cp_size).to(q.device)
+    to_sequence = torch.empty_like(order)
+    to_sequence[order] = torch.arange(len(order), device=q.device)
+    q, k, v = (_heads_for_sequence(t, cp_mesh).index_select(2, to_sequence) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _sequence_for_heads(out.index_select(2, order), cp_mesh)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
+                           heads_per_rank: int | None = None) -> nn.Module:
     """Make `model` (a whole Transformer or a pipeline stage) run on this rank's zigzag share of
     each sequence: it reads the RoPE angles at this rank's positions, and every module with an
-    `sdpa` (the attention modules) attends through `allgather_kv_attention`.
+    `sdpa` (the attention modules) attends through the `method`'s attention. `heads_per_rank`, the
+    query heads of a rank after tensor parallelism, lets alltoall refuse at start-up what it cannot split.
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
+    if method == "alltoall" and heads_per_rank is not None:
+        check_heads_divide(heads_per_rank, cp_mesh.size())
     positions = zigzag_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
     model.positions = positions.to(cp_mesh.device_type)
-    attention = partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions)
+    attention = {
+        "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions),
+        "ring": partial(ring_attention, cp_mesh=cp_mesh),
+        "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh),
+    }[method]
     for module in model.modules():
         if hasattr(module, "sdpa"):
             module.sdpa = attention

@@ -1,8 +1,10 @@
 """Context parallelism: zigzag sharding, and all-gather-KV attention and the Llama model on 2 and 4
 gloo processes matching the full sequence on one process (outputs and gradients, fp32)."""
 
+import contextlib
 import copy
 import gc
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -16,10 +18,12 @@ from models.attention import causal_attention
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.context_parallel import (
     allgather_kv_attention,
+    alltoall_attention,
     apply_context_parallel,
     shard_sequence,
     zigzag_positions,
 )
+from parallelisms.ring_attention import block_backward, block_forward, merge, ring_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -46,6 +50,50 @@ def test_shard_sequence_takes_the_rank_positions_along_the_sequence_dim():
     assert shard_sequence(tokens, mesh).tolist() == [[3, 4, 5, 6, 7, 8], [103, 104, 105, 106, 107, 108]]
     hidden = torch.randn(12, 3, 5)
     assert torch.equal(shard_sequence(hidden, mesh, dim=0), hidden[zigzag_positions(12, 2, 1)])
+
+
+def test_alltoall_refuses_heads_that_the_degree_does_not_divide_naming_the_way_out():
+    from components.config import ConfigError
+
+    mesh = SimpleNamespace(size=lambda: 4, get_local_rank=lambda: 0, device_type="cpu")
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=6, n_kv_heads=2, vocab_size=32, max_seq_len=16))
+    expected = r"alltoall splits the 6 query heads .*context_parallel_degree 4 ranks.*pick ring"
+    with pytest.raises(ConfigError, match=expected):
+        apply_context_parallel(model, mesh, 16, "alltoall", heads_per_rank=6)
+    apply_context_parallel(model, mesh, 16, "ring", heads_per_rank=6)
+
+
+def ring_blocks_against_sdpa(device: str, dtype: torch.dtype, around=contextlib.nullcontext()
+                             ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The ring's arithmetic in one process: the second half of 64 queries attends to the first half of the keys
+    (whole) and to the second (causally) in two fused-kernel calls merged by log-sum-exp; the backward of each
+    call, given the merged output and log-sum-exp, adds up to the gradients. (name, ring's, SDPA's) each for the
+    output and the gradients of q, k and v. The ring's calls run inside the context manager `around`."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, probe = (torch.randn(2, 8, 64, 32, device=device, generator=generator).to(dtype) for _ in range(4))
+    probe = probe[:, :, 32:].contiguous()
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)[:, :, 32:]
+    (expected * probe.float()).sum().backward()
+
+    rows, before, own = q[:, :, 32:], slice(0, 32), slice(32, 64)
+    with around:
+        out, lse, aux = block_forward(rows, k[:, :, before], v[:, :, before], causal=False)
+        out_own, lse_own, _ = block_forward(rows, k[:, :, own], v[:, :, own], causal=True)
+        out, lse = merge(out.float(), lse, out_own.float(), lse_own)
+        out = out.to(dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (rows, k, v))
+        for keys, causal in ((before, False), (own, True)):
+            grads = block_backward(probe, rows, k[:, :, keys], v[:, :, keys], out, lse, causal, aux)
+            dq += grads[0]
+            dk[:, :, keys], dv[:, :, keys] = grads[1], grads[2]
+    return [("output", out, expected), ("dq", dq, leaves[0].grad[:, :, 32:]), ("dk", dk, leaves[1].grad),
+            ("dv", dv, leaves[2].grad)]
+
+
+def test_ring_blocks_merged_by_log_sum_exp_are_causal_attention_forward_and_backward():
+    for name, got, expected in ring_blocks_against_sdpa("cpu", torch.float32):
+        torch.testing.assert_close(got.float(), expected, **TOL, msg=name)
 
 
 # --- Several gloo processes ------------------------------------------------------------------
@@ -81,7 +129,8 @@ def unshard(local: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 
 def check_attention(cp_mesh) -> None:
-    """Outputs and q/k/v gradients of CP attention are this rank's share of full causal attention."""
+    """Outputs and q/k/v gradients of each method's CP attention are this rank's share of full causal
+    attention (grouped-query: 4 query heads, 2 key/value heads)."""
     torch.manual_seed(0)  # the same full tensors on every rank
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     projection = torch.randn(2, 4, 16, 8)
@@ -89,57 +138,65 @@ def check_attention(cp_mesh) -> None:
     full_out = causal_attention(*full)
     (full_out * projection).sum().backward()
 
-    local = [shard_sequence(t, cp_mesh, dim=2).requires_grad_() for t in (q, k, v)]
     positions = zigzag_positions(16, cp_mesh.size(), cp_mesh.get_local_rank())
-    out = allgather_kv_attention(*local, cp_mesh, positions)
-    torch.testing.assert_close(out, shard_sequence(full_out.detach(), cp_mesh, dim=2), **TOL)
-    # Summed over the ranks these losses are the full one; the backward's reduce-scatter adds the
-    # other ranks' contributions to this rank's key and value gradients.
-    (out * shard_sequence(projection, cp_mesh, dim=2)).sum().backward()
-    for name, t_local, t_full in zip("qkv", local, full):
-        torch.testing.assert_close(t_local.grad, shard_sequence(t_full.grad, cp_mesh, dim=2), **TOL, msg=name)
+    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=positions),
+               "ring": partial(ring_attention, cp_mesh=cp_mesh),
+               "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh)}
+    for method, attention in methods.items():
+        local = [shard_sequence(t, cp_mesh, dim=2).requires_grad_() for t in (q, k, v)]
+        out = attention(*local)
+        torch.testing.assert_close(out, shard_sequence(full_out.detach(), cp_mesh, dim=2), **TOL, msg=method)
+        # Summed over the ranks these losses are the full one; the backward's communication adds the
+        # other ranks' contributions to this rank's key and value gradients.
+        (out * shard_sequence(projection, cp_mesh, dim=2)).sum().backward()
+        for name, t_local, t_full in zip("qkv", local, full):
+            torch.testing.assert_close(t_local.grad, shard_sequence(t_full.grad, cp_mesh, dim=2), **TOL,
+                                       msg=f"{method} {name}")
 
 
 def check_model(cp_mesh) -> None:
-    """The Llama model under CP: logits, and parameter gradients summed over the ranks, match one
-    process on the full sequence; so do the hidden states of a pipeline stage."""
+    """The Llama model under CP with each method: logits, and parameter gradients summed over the ranks,
+    match one process on the full sequence; so do the hidden states of a pipeline stage."""
     seq_len = 16
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=seq_len, multiple_of=32)
     reference = Transformer(args)
     reference.init_weights()
-    model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len)
     tokens = torch.randint(0, args.vocab_size, (2, seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-
     logits = reference(inputs)
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    local_logits = model(shard_sequence(inputs, cp_mesh))
-    torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh), logits.detach(), **TOL)
-    local_labels = shard_sequence(labels, cp_mesh)
-    loss = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
-    loss.backward()
-    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
-        dist.all_reduce(param.grad, group=cp_mesh.get_group())
-        torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=name)
-
     # A first pipeline stage: the embeddings and block 0, returning hidden states.
     stage = copy.deepcopy(reference)
     del stage.layers["1"]
     stage.norm = stage.output = None
     with torch.no_grad():
         hidden = stage(inputs)
-        local_hidden = apply_context_parallel(stage, cp_mesh, seq_len)(shard_sequence(inputs, cp_mesh))
-    torch.testing.assert_close(local_hidden, shard_sequence(hidden, cp_mesh), **TOL)
+
+    for method in ("allgather", "ring", "alltoall"):
+        model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method)
+        model.zero_grad()
+        local_logits = model(shard_sequence(inputs, cp_mesh))
+        torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh), logits.detach(), **TOL, msg=method)
+        local_labels = shard_sequence(labels, cp_mesh)
+        loss = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
+        loss.backward()
+        for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+            dist.all_reduce(param.grad, group=cp_mesh.get_group())
+            torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=f"{method} {name}")
+        with torch.no_grad():
+            local_hidden = apply_context_parallel(copy.deepcopy(stage), cp_mesh, seq_len, method)(
+                shard_sequence(inputs, cp_mesh))
+        torch.testing.assert_close(local_hidden, shard_sequence(hidden, cp_mesh), **TOL, msg=method)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_attention_matches_full_sequence(cp_size, tmp_path):
+def test_attention_of_every_method_matches_the_full_sequence(cp_size, tmp_path):
     run_ranks(check_attention, cp_size, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_llama_matches_one_process(cp_size, tmp_path):
+def test_llama_under_every_method_matches_one_process(cp_size, tmp_path):
     run_ranks(check_model, cp_size, tmp_path)

@@ -131,6 +131,34 @@ def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_he
         assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_ring_attention_blocks_use_fused_kernels_and_add_up_to_causal_attention(dtype):
+    """parallelisms/ring_attention.py's CUDA kernels (flash in bf16, memory-efficient in fp32) for two blocks of
+    keys merged by log-sum-exp, forward and backward, against SDPA on the whole; the profiler sees the ring run
+    the fused kernels and no softmax of its own."""
+    from test_context_parallel import ring_blocks_against_sdpa
+    from torch.profiler import ProfilerActivity, profile
+
+    trace = profile(activities=[ProfilerActivity.CUDA])
+    for name, got, expected in ring_blocks_against_sdpa("cuda", dtype, around=trace):
+        assert relative_error(got, expected) < (2e-2 if dtype == torch.bfloat16 else 1e-4), name
+    kernels = " ".join(event.key.lower() for event in trace.key_averages())
+    assert ("flash" if dtype == torch.bfloat16 else "fmha") in kernels, kernels[:2000]
+    assert "softmax" not in kernels, kernels[:2000]
+
+
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_context_parallel_methods_on_two_gpus_match_one_gpu(tmp_path, method):
+    """CP 2 by ring and by all-to-all trains the debug model with one GPU's losses up to bf16 rounding."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"context parallelism needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    one = train(tmp_path / "one")
+    cp2 = train(tmp_path / method, "--parallelism.context_parallel_degree", "2",
+                "--parallelism.context_parallel_method", method, nproc=2)
+    assert_trains(cp2)
+    assert_same_curve(cp2, one, BF16_NOISE)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_linear_real_matmuls_match_torchao_emulation_forward_and_backward(recipe):
     """parallelisms/float8.py on an SM 8.9+ GPU: one layer converted for real float8 matmuls and the same

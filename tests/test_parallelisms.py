@@ -46,6 +46,8 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, local_batch=None, extra
 
 
 COMPILE = ["--compile.enable", "true"]
+RING = ["--parallelism.context_parallel_method", "ring"]
+ALLTOALL = ["--parallelism.context_parallel_method", "alltoall"]
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 
 LAYOUTS = {  # name: (processes, arguments), data
@@ -61,6 +63,14 @@ LAYOUTS = {  # name: (processes, arguments), data
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
     "cp2_dp_shard2": (layout(cp=2, dp_shard=2), "hf"),
     "cp2_tp2": (layout(cp=2, tp=2), "packed"),
+    # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
+    # the ring's sends stay out of compiled blocks and run again when a block is recomputed (also its kernels,
+    # under selective checkpointing by op).
+    "cp2_dp_shard2_ring_selective_op": (layout(cp=2, dp_shard=2, extra=[*RING, *SELECTIVE_OP]), "hf"),
+    "cp2_tp2_alltoall": (layout(cp=2, tp=2, extra=[*ALLTOALL]), "packed"),
+    "cp2_pp2_ring": (layout(cp=2, pp=2, extra=[*RING]), "hf"),
+    "cp4_alltoall": (layout(cp=4, extra=[*ALLTOALL]), "packed"),
+    "cp4_ring_compile_full_ac": (layout(cp=4, extra=[*RING, *COMPILE, "--activation_checkpoint.mode", "full"]), "hf"),
     "dp_shard2_tp2_pp2": (layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
                                                                   "2"]), "hf"),
     "dp_shard2_tp2_cpu_offload": (layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),

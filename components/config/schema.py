@@ -219,6 +219,11 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     pipeline_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    context_parallel_method: str = "allgather"
+    """How attention sees the whole sequence under context parallelism (docs/parallelisms.md): allgather
+    (every rank gathers all keys and values), ring (keys and values passed around the ranks, no rank holds
+    more than two blocks of them) or alltoall (Ulysses: heads exchanged for the sequence; the heads each
+    rank holds must divide by the degree)."""
     expert_parallel_degree: int = 1
     """Mixture-of-experts models: each of this many ranks holds num_experts / N experts, tokens travel
     to them by all-to-all. Uses data-parallel ranks: must divide the data-parallel shard degree."""
@@ -416,6 +421,7 @@ CHOICES = {
     "training.mixed_precision_param": tuple(DTYPES),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.context_parallel_method": ("allgather", "ring", "alltoall"),
     "parallelism.pipeline_parallel_schedule": (
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
     ),

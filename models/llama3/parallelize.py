@@ -95,7 +95,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])
     if dims.cp > 1:
-        apply_context_parallel(model, mesh["cp"], config.training.seq_len)
+        apply_context_parallel(model, mesh["cp"], config.training.seq_len, config.parallelism.context_parallel_method,
+                               heads_per_rank=model.args.n_heads // dims.tp)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
                                    config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
     if config.compile.enable:

@@ -18,6 +18,7 @@ from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import zigzag_attention, zigzag_positions, zigzag_to_sequence_order
+from parallelisms.ring_attention import RingAttention
 
 
 class StorageTracker(TorchDispatchMode):
@@ -98,19 +99,46 @@ class Simulation:
     seconds: float
 
 
-def context_parallel_attention(cp: int, local_seq: int):
-    """The attention of parallelisms/context_parallel.py on context-parallel rank 0, with its
-    all-gather of the stacked keys and values replaced by a tensor of the gathered size (no process
-    group is needed, and on fake tensors only sizes matter)."""
+class LoopbackRing:
+    """ring_attention's Ring without a process group: what it "receives" is a new tensor of the size sent."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+    def start(self, tensor: torch.Tensor, tag: int = 0):
+        return torch.empty_like(tensor)
+
+    @staticmethod
+    def finish(pending: torch.Tensor) -> torch.Tensor:
+        return pending
+
+
+def context_parallel_attention(cp: int, local_seq: int, method: str):
+    """The attention of parallelisms/context_parallel.py (by `method`) on context-parallel rank 0, with its
+    communication replaced by tensors of the sizes received (no process group is needed, and on fake tensors
+    only sizes matter)."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
-    def attention(q, k, v):
+    def allgather(q, k, v):
         stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
         gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
         k, v = zigzag_to_sequence_order(gathered, cp)
         return zigzag_attention(q, k, v, positions, cp, 0)
 
-    return attention
+    def alltoall(q, k, v):
+        def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
+            return t.unflatten(1, (cp, -1))[:, 0].repeat_interleave(cp, dim=2)
+
+        if k.shape[1] % cp:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(*map(trade, (q, k, v)), is_causal=True,
+                                                               enable_gqa=q.shape[1] != k.shape[1])
+        return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
+
+    def ring(q, k, v):
+        return RingAttention.apply(q, k, v, LoopbackRing(cp))
+
+    return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method]
 
 
 def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -138,7 +166,8 @@ def blocks_to_simulate(n_blocks: int, ac_mode: str, ac_option: str) -> int:
 
 def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: int, dtype: torch.dtype,
                          ac_mode: str = "none", ac_option: str = "2", n_blocks: int | None = None,
-                         first: bool = True, last: bool = True, cp: int = 1, document_masking: bool = False,
+                         first: bool = True, last: bool = True, cp: int = 1, cp_method: str = "allgather",
+                         document_masking: bool = False,
                          simulate_blocks: int | None = None) -> Simulation:
     """Forward and backward of `batch` sequences of `seq` tokens through a stage of `n_blocks` blocks
     (default: the model's; with the embeddings if `first`, the norm, output and loss if `last`) on
@@ -171,7 +200,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                         converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
                         module._parameters[name] = converted[id(p)]
         if cp > 1:
-            attention = context_parallel_attention(cp, seq)
+            attention = context_parallel_attention(cp, seq, cp_method)
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention

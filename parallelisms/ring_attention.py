@@ -1,0 +1,197 @@
+"""Ring attention for context parallelism (parallelism.context_parallel_method = "ring").
+
+Every rank holds the queries, keys and values of its zigzag share of the sequence (two chunks of 2*cp:
+r and 2*cp-1-r, parallelisms/context_parallel.py). The keys and values travel around the ring of CP ranks;
+at each of the cp steps a rank attends its queries to the block it holds and merges the partial result into
+its output by the log-sum-exp of each query's scores, while the next block is already on its way. No rank
+ever holds more than two blocks of keys and values, and no mask is built: against the zigzag chunks a block
+is either the rank's own (causal), or one whose first chunk all of the rank's queries see (an earlier rank),
+or one that only the rank's second chunk sees, whole (a later rank).
+
+The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
+its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
+kernel that returns the log-sum-exp (flash attention on CPU and for half precision on CUDA, the
+memory-efficient kernel for float32 on CUDA): the scores are never materialized.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+aten = torch.ops.aten
+_state = threading.local()
+
+
+def inside_ring() -> bool:
+    """Whether the attention kernels running now are a ring's blocks: selective activation checkpointing by op
+    (parallelisms/activation_checkpoint.py) recomputes them rather than keeping cp blocks of outputs."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextmanager
+def _ring_blocks():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """Attention of q (batch, heads, q_len, head_dim) to k, v (same heads): the output, the log-sum-exp of each
+    query's scores, float32 (batch, heads, q_len), and what the kernel's backward needs of its forward besides
+    (`block_backward`'s `aux`: sequence offsets and random-number state, empty on CPU)."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, cum_seq_q, cum_seq_k, _, _, philox_seed, philox_offset, _ = (
+            aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal))
+        return out, lse, (cum_seq_q, cum_seq_k, philox_seed, philox_offset)
+    out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                                        causal)
+    return out, lse[..., : q.shape[2]], (philox_seed, philox_offset)  # its log-sum-exp is padded to 32 queries
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=()):
+    """The gradients of q, k, v for one block of `block_forward`, given the final output and log-sum-exp of
+    these queries over every block (which is what makes the per-block gradients add up to the whole)."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        cum_seq_q, cum_seq_k, philox_seed, philox_offset = aux
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, q.shape[2], k.shape[2], 0.0, causal, philox_seed,
+            philox_offset)
+    padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
+    padded[..., : lse.shape[-1]] = lse
+    philox_seed, philox_offset = aux
+    return aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, padded, philox_seed, philox_offset, 0.0, [True, True, True, False],
+        causal)[:3]
+
+
+def _expand_heads(t: torch.Tensor, repeats: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves `repeats` query heads (SDPA's enable_gqa order)."""
+    return t if repeats == 1 else t.repeat_interleave(repeats, dim=1)
+
+
+def _sum_heads(grad: torch.Tensor, repeats: int) -> torch.Tensor:
+    return grad if repeats == 1 else grad.unflatten(1, (-1, repeats)).sum(2)
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two partial attentions of the same queries over disjoint keys, as one (float32)."""
+    merged = torch.logaddexp(lse, block_lse)
+    return out * (lse - merged).exp()[..., None] + block_out * (block_lse - merged).exp()[..., None], merged
+
+
+class Ring:
+    """Send a tensor to the next CP rank while receiving the previous rank's. (The memory estimator runs the
+    attention with a stand-in of the same interface: rank, size, start and finish.)"""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        group, self.rank, self.size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.group = group
+
+    def start(self, tensor: torch.Tensor, tag: int = 0):
+        """The keys and values (tag 0) and their gradients (tag 1) travel at once in the backward."""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, received, self.previous, self.group, tag)])
+        return works, received
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        works, received = pending
+        for work in works:
+            work.wait()
+        return received
+
+
+def _block_slices(owner: int, rank: int, chunk: int):
+    """Which of this rank's queries attend to which keys of the block `owner` sent, and whether causally:
+    (query slice, key slice, causal)."""
+    every = slice(None)
+    if owner == rank:
+        return every, every, True
+    if owner < rank:  # its first chunk is before both of this rank's chunks, its second after them
+        return every, slice(0, chunk), False
+    return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        with _ring_blocks():
+            return RingAttention._forward(ctx, q, k, v, ring)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: Ring):
+        rank, size = ring.rank, ring.size
+        repeats, chunk = q.shape[1] // k.shape[1], q.shape[2] // 2
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(size):
+            pending = ring.start(kv) if step < size - 1 else None
+            rows, keys, causal = _block_slices((rank - step) % size, rank, chunk)
+            block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
+            block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal)
+            if out is None:  # the rank's own block, causal: every query sees a key in it. Copies, merged into
+                # in place below: selective activation checkpointing may keep the kernel's outputs themselves.
+                out, lse, aux = block_out.to(torch.float32, copy=True), block_lse.clone(), block_aux
+            else:
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                          block_out.float(), block_lse)
+            if pending is not None:
+                kv = ring.finish(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.aux = ring, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        rank, size = ring.rank, ring.size
+        repeats, chunk = q.shape[1] // k.shape[1], q.shape[2] // 2
+        grad_out = grad_out.contiguous()
+        kv = torch.stack([k, v])
+        grad_q = torch.zeros_like(q, dtype=torch.float32)
+        grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # of the block this rank holds, travelling with it
+        pending_grad = None
+        for step in range(size):
+            pending_kv = ring.start(kv) if step < size - 1 else None
+            rows, keys, causal = _block_slices((rank - step) % size, rank, chunk)
+            block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
+            dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows].contiguous(), block_k, block_v,
+                                        out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, ctx.aux)
+            grad_q[:, :, rows] += dq
+            if pending_grad is not None:
+                grad_kv = ring.finish(pending_grad)
+            grad_kv[0][:, :, keys] += _sum_heads(dk, repeats)
+            grad_kv[1][:, :, keys] += _sum_heads(dv, repeats)
+            pending_grad = ring.start(grad_kv, tag=1)  # after the last step, to the block's owner
+            if pending_kv is not None:
+                kv = ring.finish(pending_kv)
+        grad_k, grad_v = ring.finish(pending_grad)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+
+
+@torch.compiler.disable
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
+    whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
+    zigzag shares; n_kv_heads may divide n_heads. Returns a tensor shaped like q.
+
+    Left out of compiled blocks (compile.enable): the ring's point-to-point sends are not traceable; the
+    kernels it calls are fused already."""
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh))

@@ -1,0 +1,123 @@
+"""Peak memory of attention per rank under context parallelism, for each parallelism.context_parallel_method
+(parallelisms/context_parallel.py) on CPU over gloo:
+
+    python -m scripts.benchmark.cp_attention_memory [--seq 16384] [--degrees 1 2 4] [--heads 8] [--kv-heads 2]
+        [--head-dim 64] [--batch 1]
+
+For each CP degree, that many processes (gloo, one thread each) hold their zigzag shares of random q, k, v of a
+`seq`-token sequence and run one forward and backward of the method's attention; each reports the growth of its
+resident memory over them (Linux's peak resident set, reset just before, minus what it held then: the attention's
+working memory, communication buffers, saved tensors and the gradients of q, k and v). The table shows the
+largest rank's. Degree 1 is plain causal attention (the fused kernel). Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+METHODS = ("allgather", "ring", "alltoall")
+
+
+def resident_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def measure(attention, q, k, v) -> tuple[int, float]:
+    """(bytes the forward and backward of `attention` added at their peak, seconds)."""
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    before, start = resident_bytes("VmRSS"), time.perf_counter()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    attention(q, k, v).sum().backward()
+    seconds = time.perf_counter() - start
+    peak = resident_bytes("VmHWM") - before
+    del q, k, v
+    return peak, seconds
+
+
+def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.context_parallel import (
+        allgather_kv_attention,
+        alltoall_attention,
+        shard_sequence,
+        zigzag_positions,
+    )
+    from parallelisms.ring_attention import ring_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    seq, batch, head_dim = shape["seq"], shape["batch"], shape["head_dim"]
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (shard_sequence(torch.randn(batch, heads, seq, head_dim, generator=generator), mesh, dim=2)
+               for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
+    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=mesh, positions=zigzag_positions(seq, cp, rank)),
+               "ring": partial(ring_attention, cp_mesh=mesh), "alltoall": partial(alltoall_attention, cp_mesh=mesh)}
+    lines = []
+    for method in METHODS:
+        dist.barrier()
+        peak, seconds = measure(methods[method], q, k, v)
+        lines.append(f"{method} {rank} {peak} {seconds}")
+    Path(results, f"rank{rank}").write_text("\n".join(lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def one_process(shape: dict) -> tuple[int, float]:
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    q, k, v = (torch.randn(shape["batch"], heads, shape["seq"], shape["head_dim"])
+               for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
+    return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args(argv)
+    shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+             "batch": args.batch}
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the resident set at once
+    print(f"attention of {args.batch} x {args.seq} tokens, {args.heads} query and {args.kv_heads} key/value heads "
+          f"of {args.head_dim}, float32, forward and backward; torch {torch.__version__}")
+    print("| method | CP degree | peak MiB (largest rank) | of CP 1 | seconds |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    baseline = None
+    for cp in args.degrees:
+        if cp == 1:
+            peak, seconds = mp.get_context("spawn").Pool(1).apply(one_process, (shape,))
+            baseline = peak
+            print(f"| (one process) | 1 | {peak / 2**20:,.0f} | 1.00 | {seconds:.1f} |", flush=True)
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            mp.spawn(_worker, args=(cp, str(Path(folder, "store")), shape, folder), nprocs=cp)
+            rows = [line.split() for rank in range(cp) for line in Path(folder, f"rank{rank}").read_text().split("\n")]
+        for method in METHODS:
+            peak = max(int(row[2]) for row in rows if row[0] == method)
+            seconds = max(float(row[3]) for row in rows if row[0] == method)
+            share = f"{peak / baseline:.2f}" if baseline else ""
+            print(f"| {method} | {cp} | {peak / 2**20:,.0f} | {share} | {seconds:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
