@@ -16,10 +16,15 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
     unsupported = {
         # Dynamo would trace the statistics hooks into the compiled blocks.
         "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
-        # The document ids would have to travel with the pipeline's micro-batches, and context
-        # parallelism's attention builds its own mask.
-        "training.document_masking with pipeline or context parallelism":
-            config.training.document_masking and dims.pp * dims.cp > 1,
+        # The document ids would have to travel with the pipeline's micro-batches.
+        "training.document_masking with pipeline parallelism": config.training.document_masking and dims.pp > 1,
+        # The ring's blocks would need their own masks (allgather and alltoall take documents).
+        "training.document_masking with parallelism.context_parallel_method ring":
+            config.training.document_masking and dims.cp > 1 and config.parallelism.context_parallel_method == "ring",
+        # Compiled checkpointed blocks trace the ring into one graph, and its point-to-point sends cannot be traced.
+        "parallelism.context_parallel_method ring with compile.enable and activation checkpointing":
+            dims.cp > 1 and config.parallelism.context_parallel_method == "ring" and config.compile.enable
+            and config.activation_checkpoint.mode != "none",
         # FSDP re-pins offloaded shards as plain tensors, not as torchao's float8-cast weights.
         "parallelism.fsdp_cpu_offload with float8.enable_fsdp_float8_all_gather":
             config.parallelism.fsdp_cpu_offload and config.float8.enable

@@ -41,8 +41,12 @@ def qk_norm_tensor_parallel_plan(attention: str) -> dict:
             for norm in ("q_norm", "k_norm")}
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim), within documents given a
+    `document_mask`; k/v may have fewer heads. The attention modules' default `sdpa`."""
+    if mask is not None:
+        return masked_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 

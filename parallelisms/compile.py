@@ -14,6 +14,8 @@ def compile_blocks(blocks: nn.ModuleDict) -> None:
     A dense block compiles as one graph. A mixture-of-experts block cannot: how many tokens each
     expert gets is data, which the expert computation and its all-to-all take as Python sizes, so
     that part runs eagerly between the compiled graphs of the rest. MoE layers are found by their interface
-    (components/moe_layer.py), whatever module defines them."""
+    (components/moe_layer.py), whatever module defines them. Nor can a block whose attention runs eagerly
+    (a module flagged `sdpa_breaks_graph`: ring attention's point-to-point sends)."""
     for block in blocks.values():
-        block.compile(fullgraph=not has_moe_layer(block))
+        eager_attention = any(getattr(module, "sdpa_breaks_graph", False) for module in block.modules())
+        block.compile(fullgraph=not (has_moe_layer(block) or eager_attention))

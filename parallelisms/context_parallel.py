@@ -82,37 +82,52 @@ def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tens
 
 
 def allgather_kv_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh, positions: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *, cp_mesh: DeviceMesh,
+    positions: torch.Tensor
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries to the keys and values of the whole sequence.
+    """Causal attention of this rank's queries to the keys and values of the whole sequence, within
+    documents given a `mask` of `allgather_document_mask`.
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding the tokens at `positions` (this rank's `zigzag_positions`); n_kv_heads
-    may divide n_heads (grouped-query attention). Returns a tensor shaped like q.
-
-    Each of the rank's two query chunks attends only to the keys up to its own end, which is what
-    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p."""
+    may divide n_heads (grouped-query attention). Returns a tensor shaped like q."""
     k, v = _gather_sequence(torch.stack([k, v]), cp_mesh)  # one all-gather for both
-    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank())
+    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank(), mask)
+
+
+def allgather_document_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """allgather's document mask: (batch, 1, local_seq, seq), True where this rank's query at `positions` may
+    see a key: at or before it, in the same document. document_ids: (batch, seq), of the whole sequence."""
+    seq = document_ids.shape[1]
+    causal = positions[:, None] >= torch.arange(seq, device=document_ids.device)
+    return ((document_ids[:, positions, None] == document_ids[:, None, :]) & causal)[:, None]
 
 
 def zigzag_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp_size: int, cp_rank: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp_size: int, cp_rank: int,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention of `allgather_kv_attention` once the keys and values are gathered: rank
     `cp_rank`'s queries q (batch, n_heads, local_seq, head_dim), at `positions`, to k and v of the
     whole sequence (batch, n_kv_heads, seq, head_dim). No process group: the memory estimator runs
-    it on fake tensors."""
+    it on fake tensors.
+
+    Each of the rank's two query chunks attends only to the keys up to its own end, which is what
+    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p (and,
+    given the document `mask`, in its document)."""
     chunk = q.shape[2] // 2
     outputs = []
-    for q_chunk, q_positions, index in zip(
+    for i, (q_chunk, q_positions, index) in enumerate(zip(
         q.split(chunk, dim=2), positions.split(chunk), (cp_rank, 2 * cp_size - 1 - cp_rank)
-    ):
+    )):
         end = (index + 1) * chunk  # the chunk's last position + 1: the keys it can see
-        mask = q_positions[:, None] >= torch.arange(end, device=q.device)
+        if mask is None:
+            chunk_mask = q_positions[:, None] >= torch.arange(end, device=q.device)
+        else:
+            chunk_mask = mask[:, :, i * chunk:(i + 1) * chunk, :end]
         outputs.append(
             F.scaled_dot_product_attention(
-                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask, enable_gqa=q.shape[1] != k.shape[1]
             )
         )
     return torch.cat(outputs, dim=2)
@@ -149,9 +164,11 @@ def check_heads_divide(n_heads: int, cp_size: int) -> None:
             "them: pick ring or allgather, or a degree that divides the heads")
 
 
-def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
-    """Ulysses: the causal attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the
-    heads, with the fused kernel and no mask."""
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, cp_mesh: DeviceMesh,
+                       attend) -> torch.Tensor:
+    """Ulysses: the attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the heads
+    with the model's own kernel `attend(q, k, v, mask)` (its attention modules' `sdpa`: causal, fused, no
+    mask; or within documents, given the model's document mask of the whole sequence)."""
     cp_size = cp_mesh.size()
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
@@ -160,28 +177,30 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_mes
     to_sequence = torch.empty_like(order)
     to_sequence[order] = torch.arange(len(order), device=q.device)
     q, k, v = (_heads_for_sequence(t, cp_mesh).index_select(2, to_sequence) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return _sequence_for_heads(out.index_select(2, order), cp_mesh)
+    return _sequence_for_heads(attend(q, k, v, mask).index_select(2, order), cp_mesh)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
                            heads_per_rank: int | None = None) -> nn.Module:
     """Make `model` (a whole Transformer or a pipeline stage) run on this rank's zigzag share of
     each sequence: it reads the RoPE angles at this rank's positions, and every module with an
-    `sdpa` (the attention modules) attends through the `method`'s attention. `heads_per_rank`, the
-    query heads of a rank after tensor parallelism, lets alltoall refuse at start-up what it cannot split.
+    `sdpa` (the attention modules) attends through the `method`'s attention; allgather replaces the
+    model's `document_mask` builder too. `heads_per_rank`, the query heads of a rank after tensor
+    parallelism, lets alltoall refuse at start-up what it cannot split.
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
     if method == "alltoall" and heads_per_rank is not None:
         check_heads_divide(heads_per_rank, cp_mesh.size())
     positions = zigzag_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
     model.positions = positions.to(cp_mesh.device_type)
-    attention = {
-        "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions),
-        "ring": partial(ring_attention, cp_mesh=cp_mesh),
-        "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh),
-    }[method]
+    if method == "allgather":
+        model.document_mask = partial(allgather_document_mask, positions=model.positions)
     for module in model.modules():
         if hasattr(module, "sdpa"):
-            module.sdpa = attention
+            module.sdpa = {
+                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions),
+                "ring": partial(ring_attention, cp_mesh=cp_mesh),
+                "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
+            }[method]
+            module.sdpa_breaks_graph = method == "ring"  # parallelisms/compile.py
     return model

@@ -141,7 +141,7 @@ def check_attention(cp_mesh) -> None:
     positions = zigzag_positions(16, cp_mesh.size(), cp_mesh.get_local_rank())
     methods = {"allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=positions),
                "ring": partial(ring_attention, cp_mesh=cp_mesh),
-               "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh)}
+               "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=causal_attention)}
     for method, attention in methods.items():
         local = [shard_sequence(t, cp_mesh, dim=2).requires_grad_() for t in (q, k, v)]
         out = attention(*local)
@@ -156,7 +156,8 @@ def check_attention(cp_mesh) -> None:
 
 def check_model(cp_mesh) -> None:
     """The Llama model under CP with each method: logits, and parameter gradients summed over the ranks,
-    match one process on the full sequence; so do the hidden states of a pipeline stage."""
+    match one process on the full sequence; so do the hidden states of a pipeline stage; and, with document
+    masking, those of allgather and alltoall."""
     seq_len = 16
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=seq_len, multiple_of=32)
@@ -188,6 +189,24 @@ def check_model(cp_mesh) -> None:
             local_hidden = apply_context_parallel(copy.deepcopy(stage), cp_mesh, seq_len, method)(
                 shard_sequence(inputs, cp_mesh))
         torch.testing.assert_close(local_hidden, shard_sequence(hidden, cp_mesh), **TOL, msg=method)
+
+    # Document masking, RoPE restarting at each document: three documents, one crossing the ranks' shares.
+    documents = torch.tensor([0] * 5 + [1] * 7 + [2] * 4).expand(2, seq_len)
+    reference.args.rope_per_document = True
+    reference.zero_grad()
+    logits = reference(inputs, documents)
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    for method in ("allgather", "alltoall"):
+        model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method)
+        model.zero_grad()
+        local_logits = model(shard_sequence(inputs, cp_mesh), documents)
+        torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh), logits.detach(), **TOL, msg=method)
+        loss = F.cross_entropy(local_logits.flatten(0, 1), shard_sequence(labels, cp_mesh).flatten(),
+                               reduction="sum") / labels.numel()
+        loss.backward()
+        for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+            dist.all_reduce(param.grad, group=cp_mesh.get_group())
+            torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=f"{method} documents {name}")
 
 
 @pytest.mark.slow

@@ -161,32 +161,50 @@ def test_gradients_of_the_packed_window_are_the_sum_over_its_documents():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
-def test_plain_path_keeps_the_swappable_sdpa_and_document_masking_bypasses_it():
-    """Context parallelism swaps `Attention.sdpa`; the plain forward must still go through it."""
+def test_every_forward_goes_through_the_swappable_sdpa_with_the_document_mask_when_there_is_one():
+    """Context parallelism swaps `Attention.sdpa` (and may swap the model's `document_mask` builder): the
+    plain and the document-masked forward both go through them."""
     model = build_model(tiny_args())
+    tokens = torch.randint(3, VOCAB, (2, 12))
+    documents = document_ids(tokens, EOS)
+    expected, expected_masked = model(tokens), model(tokens, document_ids=documents)
     calls = []
 
-    def spy(q, k, v):
-        calls.append(q.shape)
-        return attention.causal_attention(q, k, v)
+    def spy(q, k, v, mask=None):
+        calls.append(mask is not None)
+        return attention.causal_attention(q, k, v, mask)
 
-    tokens = torch.randint(3, VOCAB, (2, 12))
-    expected = model(tokens)
     for module in model.modules():
         if hasattr(module, "sdpa"):
             module.sdpa = spy
     assert torch.equal(model(tokens), expected)
-    assert len(calls) == 2
-    model(tokens, document_ids=document_ids(tokens, EOS))
-    assert len(calls) == 2
+    assert torch.equal(model(tokens, document_ids=documents), expected_masked)
+    assert calls == [False, False, True, True]
 
 
-def test_document_masking_refuses_context_parallel_positions():
-    model = build_model(tiny_args())
-    model.positions = torch.arange(8)
-    tokens = torch.randint(3, VOCAB, (1, 8))
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        model(tokens, document_ids=torch.zeros_like(tokens))
+def test_document_masking_is_refused_with_pipeline_parallelism_and_ring_attention_with_compiled_checkpoints():
+    from components.config import ConfigError, load_config
+    from components.distributed import ParallelDims
+    from components.layout_checks import check_supported
+
+    def refusal(*overrides: str) -> str:
+        config = load_config(["--training.document_masking", "true", *overrides])
+        with pytest.raises(ConfigError) as refused:
+            check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
+        return str(refused.value)
+
+    assert "training.document_masking with pipeline parallelism" in refusal(
+        "--parallelism.pipeline_parallel_degree", "2")
+    assert "training.document_masking with parallelism.context_parallel_method ring" in refusal(
+        "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring")
+    assert "ring with compile.enable and activation checkpointing" in refusal(
+        "--training.document_masking", "false", "--parallelism.context_parallel_degree", "2",
+        "--parallelism.context_parallel_method", "ring", "--compile.enable", "true",
+        "--activation_checkpoint.mode", "full")
+    for method in ("allgather", "alltoall"):
+        config = load_config(["--training.document_masking", "true", "--parallelism.context_parallel_degree", "2",
+                              "--parallelism.context_parallel_method", method])
+        check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
 
 
 def test_cpu_takes_the_dense_mask_and_cuda_takes_flex_attention():

@@ -62,15 +62,15 @@ LAYOUTS = {  # name: (processes, arguments), data
                                   "packed"),
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
     "cp2_dp_shard2": (layout(cp=2, dp_shard=2), "hf"),
-    "cp2_tp2": (layout(cp=2, tp=2), "packed"),
+    "cp2_tp2_documents": (layout(cp=2, tp=2), "documents"),
     # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
-    # the ring's sends stay out of compiled blocks and run again when a block is recomputed (also its kernels,
-    # under selective checkpointing by op).
+    # the ring's sends stay out of compiled blocks (refused with compiled checkpointed ones) and run again when a
+    # block is recomputed (also its kernels, under selective checkpointing by op).
     "cp2_dp_shard2_ring_selective_op": (layout(cp=2, dp_shard=2, extra=[*RING, *SELECTIVE_OP]), "hf"),
-    "cp2_tp2_alltoall": (layout(cp=2, tp=2, extra=[*ALLTOALL]), "packed"),
+    "cp2_tp2_alltoall_documents": (layout(cp=2, tp=2, extra=[*ALLTOALL]), "documents"),
     "cp2_pp2_ring": (layout(cp=2, pp=2, extra=[*RING]), "hf"),
     "cp4_alltoall": (layout(cp=4, extra=[*ALLTOALL]), "packed"),
-    "cp4_ring_compile_full_ac": (layout(cp=4, extra=[*RING, *COMPILE, "--activation_checkpoint.mode", "full"]), "hf"),
+    "cp2_ring_compile": (layout(cp=2, extra=[*RING, *COMPILE]), "hf"),
     "dp_shard2_tp2_pp2": (layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
                                                                   "2"]), "hf"),
     "dp_shard2_tp2_cpu_offload": (layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
@@ -84,8 +84,10 @@ LAYOUTS = {  # name: (processes, arguments), data
                                                                          "selective"]), "packed"),
     "dp_shard2_tp2_compile_selective_op": (layout(dp_shard=2, tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
 }
-DATA = {"hf": ON_HF, "packed": ON_PACKED}
-"""TINY reads the packed corpus; ON_HF, later on the command line, replaces it by the default config's data."""
+DATA = {"hf": ON_HF, "packed": ON_PACKED,
+        "documents": [*ON_PACKED, "--training.document_masking", "true", "--model.rope_per_document", "true"]}
+"""TINY reads the packed corpus; ON_HF, later on the command line, replaces it by the default config's data;
+documents: the packed corpus with attention and RoPE positions kept within each document."""
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():

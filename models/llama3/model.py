@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from components.data.documents import document_positions
 from models.activations import activation
-from models.attention import apply_rope, causal_attention, document_mask, masked_attention
+from models.attention import apply_rope, causal_attention, document_mask
 
 
 @dataclass
@@ -116,10 +116,9 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention. `sdpa` computes causal attention from q, k, v and may be swapped,
-    e.g. by context parallelism for one that sees the keys and values of the whole sequence. Given
-    a document `mask`, attention goes through `masked_attention` instead (not combined with context
-    parallelism in this version).
+    """Grouped-query attention. `sdpa` computes causal attention from q, k, v, within documents given a
+    document `mask` (whatever the model's `document_mask` built), and may be swapped, e.g. by context
+    parallelism for one that sees the keys and values of the whole sequence.
 
     With `qk_norm`, q_norm and k_norm normalize each head's queries and keys before RoPE; they exist
     only then, so that the state dict of a model without them is unchanged. They act on whole heads,
@@ -159,7 +158,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v) if mask is None else masked_attention(q, k, v, mask)
+        out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -219,7 +218,9 @@ class Transformer(nn.Module):
     `document_ids` (batch, seq), the document number of every token of a packed window
     (components.data.documents.document_ids), turns on document masking: attention is causal
     within each document only and, with `args.rope_per_document`, RoPE positions restart at each
-    document. Not supported together with context or pipeline parallelism in this version.
+    document. They cover the whole sequence, also under context parallelism, whose method may replace
+    `document_mask`, the builder of what every layer's `sdpa` is given. Not supported with pipeline
+    parallelism in this version.
 
     RoPE layout: each head's dimension i is rotated together with dimension i + head_dim/2
     ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in
@@ -239,6 +240,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.positions: torch.Tensor | None = None
+        self.document_mask = document_mask
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -263,13 +265,12 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if self.positions is None else self.rope[self.positions]
         mask = None
-        if document_ids is not None:
-            if self.positions is not None:
-                raise NotImplementedError("document masking is not supported with context parallelism")
-            # Built once here and shared by every layer.
-            mask = document_mask(document_ids)
+        if document_ids is not None:  # of the whole sequence, also under context parallelism
+            mask = self.document_mask(document_ids)  # built once here and shared by every layer
             if self.args.rope_per_document:
-                rope = self.rope[document_positions(document_ids)]  # (batch, seq, head_dim // 2, 2)
+                positions = document_positions(document_ids)
+                positions = positions if self.positions is None else positions[:, self.positions]
+                rope = self.rope[positions]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
             h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h

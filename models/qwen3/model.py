@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from components.data.documents import document_positions
 from models.activations import activation
-from models.attention import apply_rope, causal_attention, document_mask, masked_attention
+from models.attention import apply_rope, causal_attention, document_mask
 from models.moe import MoE, MoEArgs
 
 
@@ -81,8 +81,8 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with QK-norm. `sdpa` computes causal attention from q, k, v and may be
-    swapped (context parallelism); given a document `mask`, attention goes through `masked_attention`.
+    """Grouped-query attention with QK-norm. `sdpa` computes causal attention from q, k, v, within documents
+    given a document `mask`, and may be swapped (context parallelism).
 
     q_norm and k_norm act on whole heads, so tensor parallelism, which splits the heads, leaves them
     whole on every rank; each rank's gradient of their weights then comes from its own heads only and
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v) if mask is None else masked_attention(q, k, v, mask)
+        out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -182,6 +182,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.positions: torch.Tensor | None = None
+        self.document_mask = document_mask
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -206,13 +207,12 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if self.positions is None else self.rope[self.positions]
         mask = None
-        if document_ids is not None:
-            if self.positions is not None:
-                raise NotImplementedError("document masking is not supported with context parallelism")
-            # Built once here and shared by every layer.
-            mask = document_mask(document_ids)
+        if document_ids is not None:  # of the whole sequence, also under context parallelism
+            mask = self.document_mask(document_ids)  # built once here and shared by every layer
             if self.args.rope_per_document:
-                rope = self.rope[document_positions(document_ids)]  # (batch, seq, head_dim // 2, 2)
+                positions = document_positions(document_ids)
+                positions = positions if self.positions is None else positions[:, self.positions]
+                rope = self.rope[positions]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
             h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h

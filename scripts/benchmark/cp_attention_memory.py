@@ -49,6 +49,7 @@ def measure(attention, q, k, v) -> tuple[int, float]:
 def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from models.attention import causal_attention
     from parallelisms.context_parallel import (
         allgather_kv_attention,
         alltoall_attention,
@@ -65,7 +66,8 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     q, k, v = (shard_sequence(torch.randn(batch, heads, seq, head_dim, generator=generator), mesh, dim=2)
                for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
     methods = {"allgather": partial(allgather_kv_attention, cp_mesh=mesh, positions=zigzag_positions(seq, cp, rank)),
-               "ring": partial(ring_attention, cp_mesh=mesh), "alltoall": partial(alltoall_attention, cp_mesh=mesh)}
+               "ring": partial(ring_attention, cp_mesh=mesh),
+               "alltoall": partial(alltoall_attention, cp_mesh=mesh, attend=causal_attention)}
     lines = []
     for method in METHODS:
         dist.barrier()

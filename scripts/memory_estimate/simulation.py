@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -17,7 +18,12 @@ from torch.utils._pytree import tree_flatten
 from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.context_parallel import zigzag_attention, zigzag_positions, zigzag_to_sequence_order
+from parallelisms.context_parallel import (
+    allgather_document_mask,
+    zigzag_attention,
+    zigzag_positions,
+    zigzag_to_sequence_order,
+)
 from parallelisms.ring_attention import RingAttention
 
 
@@ -119,26 +125,27 @@ def context_parallel_attention(cp: int, local_seq: int, method: str):
     only sizes matter)."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
-    def allgather(q, k, v):
+    def allgather(q, k, v, mask=None):
         stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
         gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
         k, v = zigzag_to_sequence_order(gathered, cp)
-        return zigzag_attention(q, k, v, positions, cp, 0)
+        return zigzag_attention(q, k, v, positions, cp, 0, mask)
 
-    def alltoall(q, k, v):
+    def alltoall(q, k, v, mask=None):
         def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
             return t.unflatten(1, (cp, -1))[:, 0].repeat_interleave(cp, dim=2)
 
         if k.shape[1] % cp:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(*map(trade, (q, k, v)), is_causal=True,
+        out = torch.nn.functional.scaled_dot_product_attention(*map(trade, (q, k, v)), attn_mask=mask,
+                                                               is_causal=mask is None,
                                                                enable_gqa=q.shape[1] != k.shape[1])
         return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
 
-    def ring(q, k, v):
+    def ring(q, k, v, mask=None):
         return RingAttention.apply(q, k, v, LoopbackRing(cp))
 
-    return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method]
+    return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
 
 def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -200,7 +207,9 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                         converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
                         module._parameters[name] = converted[id(p)]
         if cp > 1:
-            attention = context_parallel_attention(cp, seq, cp_method)
+            attention, model.positions = context_parallel_attention(cp, seq, cp_method)
+            if cp_method == "allgather":
+                model.document_mask = partial(allgather_document_mask, positions=model.positions)
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention
@@ -239,7 +248,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                 inputs = torch.zeros(batch, seq, dtype=torch.long)
             else:  # hidden states received from the previous stage, kept for its backward
                 inputs = torch.zeros(batch, seq, stage_args.dim, dtype=dtype, requires_grad=True)
-            documents = torch.zeros(batch, seq, dtype=torch.long) if document_masking and first else None
+            documents = torch.zeros(batch, seq * cp, dtype=torch.long) if document_masking and first else None
             if last:
                 labels = torch.zeros(batch, seq, dtype=torch.long)
                 out = cross_entropy_loss(model(inputs, documents), labels)
