@@ -9,9 +9,6 @@
 # For several nodes, see docs/multinode.md (torchrun with c10d rendezvous, SLURM example).
 set -euo pipefail
 
-if [[ -z "${NGPU:-}" ]]; then
-  NGPU=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
-fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 # On SIGTERM or SIGUSR1 (SLURM's warnings before a kill), torchrun passes the signal to the workers,
 # which save a checkpoint and exit with status 75; torchrun gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -21,5 +18,6 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 ROOT=$(dirname "$0")
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec python -m components.launch --standalone --nproc_per_node "$NGPU" "$ROOT/train.py" \
+# Without NGPU the launcher starts one process per CUDA GPU, or one (components/launch.py).
+exec python -m components.launch --standalone ${NGPU:+--nproc_per_node "$NGPU"} "$ROOT/train.py" \
   --job.config_file "$CONFIG_FILE" "$@"

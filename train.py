@@ -32,6 +32,7 @@ from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
+from components.exit_codes import EXIT_BAD_INPUT
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
@@ -51,7 +52,7 @@ from components.resume import check_resume, run_record
 from components.routing import RoutingTally
 from components.run_lock import die_with_launcher, lock_dump_folder, release_dump_folders
 from components.step_guard import StepGuard
-from components.stopping import EXIT_BAD_INPUT, Preemption, StopSignals, exit_status
+from components.stopping import Preemption, StopSignals, exit_status
 from components.tokenizer import build_tokenizer
 from parallelisms.float8 import Float8ScalePrecompute
 from parallelisms.fsdp import initialize_on_device

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
 
-from components.stopping import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
+from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
 
 KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
@@ -160,11 +160,21 @@ def launch_once(argv: list[str]) -> tuple[int, list[str], bool]:
     return (status if status is not None else signalled or 0), lines, signalled is not None
 
 
+def with_process_count(argv: list[str]) -> list[str]:
+    """torchrun's arguments, with one process per CUDA GPU (or one without CUDA) where they name no count."""
+    if "PET_NPROC_PER_NODE" in os.environ or any(arg.startswith(("--nproc_per_node", "--nproc-per-node"))
+                                                 for arg in argv):
+        return argv
+    import torch
+
+    return ["--nproc_per_node", str(max(torch.cuda.device_count(), 1)), *argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun, and again after a crash or a hang as many times as job.max_restarts allows: each attempt resumes
     the run's last checkpoint. Never after bad input (2), the step guard (3), a preemption (75) or a signal to the
     launcher: those a person or the scheduler decides on."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = with_process_count(sys.argv[1:] if argv is None else argv)
     os.environ[LAUNCHED] = "1"
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
     restarts = restarts_allowed(argv)

@@ -34,18 +34,13 @@ import torch
 import torch.distributed as dist
 
 from components.config import ConfigError
+from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
 from components.heartbeat import Hung
 from components.run_lock import FolderInUse
 from components.step_guard import TrainingStopped
 
 logger = logging.getLogger(__name__)
 
-EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG = 2, 3, 4
-"""A config or input that cannot be used; a run stopped by its step guard (non-finite values, too many skipped
-steps); a run whose collective timed out because a rank stopped making progress (components/heartbeat.py)."""
-EXIT_PREEMPTED = 75
-"""Exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL of sysexits.h:
-"try again later")."""
 PREEMPTED_FILE = "preempted.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -199,7 +199,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
         if hasattr(module, "sdpa"):
             module.sdpa = {
                 "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions),
-                "ring": partial(ring_attention, cp_mesh=cp_mesh),
+                # Eager inside compiled blocks (its sends cannot be traced); wrapped here, not where it is
+                # defined, so that only runs that use it import torch's compiler.
+                "ring": partial(torch.compiler.disable(ring_attention), cp_mesh=cp_mesh),
                 "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
             }[method]
             module.sdpa_breaks_graph = method == "ring"  # parallelisms/compile.py

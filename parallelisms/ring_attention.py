@@ -186,15 +186,15 @@ class RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, cp_mesh: DeviceMesh
                    ) -> torch.Tensor:
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
     zigzag shares; n_kv_heads may divide n_heads. Returns a tensor shaped like q.
 
-    Left out of compiled blocks (compile.enable): the ring's point-to-point sends are not traceable; the
-    kernels it calls are fused already. No document masking (refused at start-up, components/layout_checks.py)."""
+    Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
+    not traceable; the kernels it calls are fused already. No document masking (refused at start-up,
+    components/layout_checks.py)."""
     if mask is not None:
         raise NotImplementedError("ring attention with document masking")
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh))

@@ -151,6 +151,11 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
     return result
 
 
+FIRST = "test_docs_run_in_order.py"
+"""The suite's longest test (a third of its time): run first, so that under pytest-xdist the other worker runs
+the rest meanwhile instead of waiting for it at the end."""
+
+
 def pytest_sessionstart(session):
     """Build PACKED_CORPUS unless an earlier session did; built aside and renamed, so that concurrent
     sessions never read a half-written folder."""
@@ -169,9 +174,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """cuda-marked tests skip cleanly on a machine without a CUDA GPU."""
+    """The FIRST test first; cuda-marked tests skip cleanly on a machine without a CUDA GPU."""
     import torch
 
+    items.sort(key=lambda item: item.path.name != FIRST)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

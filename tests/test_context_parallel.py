@@ -219,3 +219,18 @@ def test_attention_of_every_method_matches_the_full_sequence(cp_size, tmp_path):
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_llama_under_every_method_matches_one_process(cp_size, tmp_path):
     run_ranks(check_model, cp_size, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_prints_a_row_per_method_and_degree():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-m", "scripts.benchmark.cp_attention_memory", "--seq", "512",
+                             "--degrees", "1", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:3] for line in result.stdout.splitlines() if line.startswith("| ")][2:]
+    assert [(method.strip(), degree.strip()) for method, degree in rows] == [
+        ("(one process)", "1"), ("allgather", "2"), ("ring", "2"), ("alltoall", "2")]
