@@ -16,8 +16,6 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
     unsupported = {
         # Dynamo would trace the statistics hooks into the compiled blocks.
         "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
-        # The document ids would have to travel with the pipeline's micro-batches.
-        "training.document_masking with pipeline parallelism": config.training.document_masking and dims.pp > 1,
         # The ring's blocks would need their own masks (allgather and alltoall take documents).
         "training.document_masking with parallelism.context_parallel_method ring":
             config.training.document_masking and dims.cp > 1 and config.parallelism.context_parallel_method == "ring",

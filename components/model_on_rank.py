@@ -78,7 +78,7 @@ def forward_backward(
     forward and backward of its own micro-batches, and only the last stage has a loss (others: 0)."""
     with loss_parallel() if model.loss_parallel else nullcontext():
         if model.pipeline is not None:
-            losses = model.pipeline.run(inputs, labels, train)
+            losses = model.pipeline.run(inputs, labels, train, documents)
             if isinstance(model.loss_fn, ZLoss):
                 model.loss_fn.settle(len(losses))
             if not losses:
@@ -107,6 +107,6 @@ def loglikelihoods(model: ModelOnRank, inputs: torch.Tensor, labels: torch.Tenso
     context-parallel share; zeros off the last pipeline stage); the model is in eval mode."""
     with loss_parallel() if model.loss_parallel else nullcontext():
         if model.pipeline is not None:
-            scores = model.pipeline.score(inputs, labels, sequence_loglikelihoods)
+            scores = model.pipeline.score(inputs, labels, sequence_loglikelihoods, documents)
             return scores if scores is not None else torch.zeros(len(inputs), device=inputs.device)
         return sequence_loglikelihoods(model.parts[0](inputs, documents), labels)

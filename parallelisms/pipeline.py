@@ -256,39 +256,45 @@ class Pipeline:
     """Whether the next training step starts with torch's shape inference: its first, and the first after a
     forward-only one (evaluation, validation)."""
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> list[torch.Tensor]:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
+            documents: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forward (and with `train`, backward) every micro-batch of one batch through the pipeline.
         Returns the last stage's per-micro-batch losses, scaled as `build_pipeline_schedule` says
-        (their sum is this batch's share of the step's mean loss); other stages get an empty list."""
+        (their sum is this batch's share of the step's mean loss); other stages get an empty list.
+        `documents`, the batch's document ids under document masking, reach every stage (torch's schedules
+        cut keyword arguments into micro-batches and give them to each stage's forward)."""
         stage_inputs = [inputs] if self.has_first_stage else []
         target = labels if self.has_last_stage else None
         losses = [] if self.has_last_stage else None
+        kwargs = {} if documents is None else {"document_ids": documents}
         if train:
             forget = ForgetFirstRouting()
             hooks = [part.register_forward_hook(forget) for part in self.parts] if self.infers_shapes else []
             try:
-                self.schedule.step(*stage_inputs, target=target, losses=losses, return_outputs=False)
+                self.schedule.step(*stage_inputs, target=target, losses=losses, return_outputs=False, **kwargs)
             finally:
                 for hook in hooks:
                     hook.remove()
             self.infers_shapes = False
         else:
-            self.schedule.eval(*stage_inputs, target=target, losses=losses)
+            self.schedule.eval(*stage_inputs, target=target, losses=losses, **kwargs)
             self.infers_shapes = True
         return losses or []
 
     def score(self, inputs: torch.Tensor, labels: torch.Tensor,
-              score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+              score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward only, with `score_fn(logits, labels)` of each micro-batch in place of the loss:
         their concatenation on the last stage, None elsewhere."""
         stage_inputs = [inputs] if self.has_first_stage else []
         scores = [] if self.has_last_stage else None
+        kwargs = {} if documents is None else {"document_ids": documents}
         # The schedule's loss function is fixed at construction; torch has no public way to run it
         # with another, so its attribute is swapped for the duration of this forward.
         loss_fn, self.schedule._loss_fn = self.schedule._loss_fn, score_fn
         try:
             self.schedule.eval(*stage_inputs, target=labels if self.has_last_stage else None, losses=scores,
-                               return_outputs=False)
+                               return_outputs=False, **kwargs)
         finally:
             self.schedule._loss_fn = loss_fn
         self.infers_shapes = True

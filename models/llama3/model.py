@@ -219,8 +219,7 @@ class Transformer(nn.Module):
     (components.data.documents.document_ids), turns on document masking: attention is causal
     within each document only and, with `args.rope_per_document`, RoPE positions restart at each
     document. They cover the whole sequence, also under context parallelism, whose method may replace
-    `document_mask`, the builder of what every layer's `sdpa` is given. Not supported with pipeline
-    parallelism in this version.
+    `document_mask`, the builder of what every layer's `sdpa` is given; every pipeline stage gets them.
 
     RoPE layout: each head's dimension i is rotated together with dimension i + head_dim/2
     ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in

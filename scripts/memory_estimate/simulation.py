@@ -248,7 +248,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                 inputs = torch.zeros(batch, seq, dtype=torch.long)
             else:  # hidden states received from the previous stage, kept for its backward
                 inputs = torch.zeros(batch, seq, stage_args.dim, dtype=dtype, requires_grad=True)
-            documents = torch.zeros(batch, seq * cp, dtype=torch.long) if document_masking and first else None
+            documents = torch.zeros(batch, seq * cp, dtype=torch.long) if document_masking else None
             if last:
                 labels = torch.zeros(batch, seq, dtype=torch.long)
                 out = cross_entropy_loss(model(inputs, documents), labels)
