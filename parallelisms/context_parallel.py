@@ -173,11 +173,9 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    order = rank_order(q.shape[2] * cp_size, cp_size).to(q.device)
-    to_sequence = torch.empty_like(order)
-    to_sequence[order] = torch.arange(len(order), device=q.device)
-    q, k, v = (_heads_for_sequence(t, cp_mesh).index_select(2, to_sequence) for t in (q, k, v))
-    return _sequence_for_heads(attend(q, k, v, mask).index_select(2, order), cp_mesh)
+    q, k, v = (zigzag_to_sequence_order(_heads_for_sequence(t, cp_mesh), cp_size) for t in (q, k, v))
+    out = attend(q, k, v, mask).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
+    return _sequence_for_heads(out, cp_mesh)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
