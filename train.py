@@ -33,6 +33,7 @@ from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT
+from components.garbage_collection import GarbageCollection, freeze_before_exit
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
@@ -159,6 +160,7 @@ def train(config: Config, signals: StopSignals) -> int:
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
     step_features += [SourceTokens(dataloader, dp_group, device), ParamNorm(optimizers, model.pp_group)]
     step_features.append(data_hash := DataHash(dataloader, dp_group, device))
+    step_features.append(collector := GarbageCollection(training.gc_every_steps))
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
@@ -212,6 +214,7 @@ def train(config: Config, signals: StopSignals) -> int:
         checkpointer.close()
         dataloader.close()
         metrics.close()
+        collector.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"
         export(config, checkpointer.folder / f"step-{training.steps}", hf_folder, config.checkpoint.export_dtype)
@@ -305,4 +308,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(main))
+    status = run_worker(main)
+    freeze_before_exit()
+    sys.exit(status)

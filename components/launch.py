@@ -23,6 +23,7 @@ from pathlib import Path
 from unittest import mock
 
 from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
+from components.garbage_collection import freeze_before_exit
 
 KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
@@ -190,4 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    freeze_before_exit()
+    sys.exit(status)

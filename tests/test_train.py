@@ -1,5 +1,6 @@
 """End-to-end runs of the trainer: the quick start, exact resume, data parallel parity, checkpoints."""
 
+import gc
 import os
 import shutil
 import subprocess
@@ -80,6 +81,25 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, train_in_process)
                              "--training.global_batch_size", "8", "--job.dump_folder", str(accumulated)]) == 0
     for step, loss in losses(big).items():
         assert loss == pytest.approx(losses(accumulated)[step], rel=1e-5)
+
+
+def test_garbage_is_collected_between_steps_only_and_the_collector_is_restored_after(tmp_path, train_in_process):
+    """Automatic collection off during the loop, a full collection after every gc_every_steps-th step; the
+    collector on again, nothing frozen, once train.main returns."""
+    collections = []  # (generation, whether automatic collection was on)
+
+    def record(phase, info):
+        if phase == "start":
+            collections.append((info["generation"], gc.isenabled()))
+
+    gc.callbacks.append(record)
+    try:
+        assert train_in_process([*TINY, "--training.steps", "4", "--training.gc_every_steps", "2",
+                                 "--job.dump_folder", str(tmp_path)]) == 0
+    finally:
+        gc.callbacks.remove(record)
+    assert [generation for generation, automatic in collections if not automatic] == [2, 2]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_fsdp_on_two_processes_matches_one_process(tmp_path, train_in_process):

@@ -209,6 +209,10 @@ class Training:
     """Weight of the z-loss added to the training loss: the mean squared logsumexp of the output
     logits, which keeps them from drifting (PaLM and OLMo use 1e-4); 0: off. Logged as z_loss
     (unweighted) when on; the logged loss stays the cross-entropy alone."""
+    gc_every_steps: int = 50
+    """Python's garbage collector runs after every gc_every_steps-th step, on every rank at once, instead of
+    wherever allocations trip it inside a step (a rank paused there is a straggler for the others); 0: Python's
+    automatic collection."""
 
 
 @dataclass
@@ -447,6 +451,7 @@ RANGES = {
     "training.max_norm": OFF_AT_0, "training.seed": NON_NEGATIVE, "training.dataloader_workers": NON_NEGATIVE,
     "training.max_skipped_steps": Range(0, also=(-1,), note="-1: no limit"),
     "training.spike_sigma": POSITIVE, "training.spike_window": Range(2), "training.z_loss": OFF_AT_0,
+    "training.gc_every_steps": OFF_AT_0,
     "parallelism.data_parallel_replicate_degree": COUNT,
     "parallelism.data_parallel_shard_degree": Range(1, also=(-1,), note="-1: what the other degrees leave"),
     "parallelism.tensor_parallel_degree": COUNT, "parallelism.pipeline_parallel_degree": COUNT,
