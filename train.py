@@ -33,6 +33,7 @@ from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT
+from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, gradients, replica_folder
 from components.garbage_collection import GarbageCollection, freeze_before_exit
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
@@ -80,7 +81,8 @@ def train(config: Config, signals: StopSignals) -> int:
     check_supported(config, dims, device)
     mesh = dims.build_mesh(device.type)
     training, dump_folder = config.training, Path(config.job.dump_folder)
-    plan = batch_plan(training, dims.dp)
+    data_rank, data_degree = data_share(config.fault_tolerance, dims)  # replica groups read shares of one batch
+    plan = batch_plan(training, data_degree)
     torch.manual_seed(training.seed)
     if training.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
@@ -99,6 +101,8 @@ def train(config: Config, signals: StopSignals) -> int:
     if dims.ep > 1 and not has_moe_layer(whole_model):
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
                           f"{config.model.name} {config.model.flavor} has none")
+    if config.fault_tolerance.enable and has_moe_layer(whole_model):  # each group's routing biases would drift apart
+        raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
     n_params = sum(p.numel() for p in whole_model.parameters())
     matmul_dtype = "float8" if config.float8.enable else training.mixed_precision_param
 
@@ -125,7 +129,7 @@ def train(config: Config, signals: StopSignals) -> int:
     # --- Optimizer, schedule, data, evaluation and checkpoints -------------------------------
     optimizers = Optimizers(model_parts, config.optimizer)
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
-    dataloader = build_dataloader(config, tokenizer, dims.dp_mesh.get_local_rank(), dims.dp)
+    dataloader = build_dataloader(config, tokenizer, data_rank, data_degree)
     eos_id = tokenizer.eos_id if training.document_masking else None
     cp_mesh = mesh["cp"] if dims.cp > 1 else None
     evaluations = Evaluations(config, tokenizer, model, dims, plan, device, eos_id, cp_mesh)
@@ -143,6 +147,8 @@ def train(config: Config, signals: StopSignals) -> int:
         return 0
     start_step = train_state.step = checkpointer.load()
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
+    replicas = (ReplicaGroups(config.fault_tolerance, checkpointer.states, start_step, device)
+                if config.fault_tolerance.enable else NoReplicas())
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
         return 0
@@ -171,7 +177,9 @@ def train(config: Config, signals: StopSignals) -> int:
     heartbeat = Heartbeat(config.comm.train_timeout_seconds)
     try:
         with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
-            for step in range(start_step + 1, training.steps + 1):
+            while train_state.step < training.steps:
+                replicas.start_step()  # a replica group that (re)joins takes a live group's state here, step included
+                step = train_state.step + 1
                 heartbeat.beat(step, 0)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
@@ -180,7 +188,9 @@ def train(config: Config, signals: StopSignals) -> int:
                 record_layers = layer_metrics if log_this_step and not first_pipeline_step else None
                 lr = lr_schedule.lr
                 loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
-                                                     optimizers, record_layers)
+                                                     optimizers, replicas, record_layers)
+                if not replicas.should_commit(step):
+                    continue
                 skip = step_guard.decide(step, loss, grad_norm)
                 optimizers.step(skip=skip)
                 heartbeat.beat(step, 1)
@@ -215,6 +225,7 @@ def train(config: Config, signals: StopSignals) -> int:
         dataloader.close()
         metrics.close()
         collector.close()
+        replicas.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"
         export(config, checkpointer.folder / f"step-{training.steps}", hf_folder, config.checkpoint.export_dtype)
@@ -269,10 +280,10 @@ def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages
 
 def train_step(
     model: ModelOnRank, batches: Iterator, grad_accum_steps: int, max_norm: float, optimizers: Optimizers,
-    layer_metrics: LayerMetrics | None = None,
+    replicas: ReplicaGroups | NoReplicas, layer_metrics: LayerMetrics | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
-    """Forward and backward of grad_accum_steps micro-batches, then the gradients clipped to max_norm.
-    Returns the step's mean loss over all ranks, the gradient norm before clipping and, with
+    """Forward and backward of grad_accum_steps micro-batches, the gradients averaged over the replica groups,
+    then clipped to max_norm. Returns the step's mean loss over all ranks, the gradient norm before clipping and, with
     layer_metrics, the per-layer statistics. The optimizer step is left to the caller, whose step
     guard decides whether to take it."""
     optimizers.zero_grad()
@@ -284,16 +295,19 @@ def train_step(
             if isinstance(part, FSDPModule):
                 part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
         loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=True)
+    loss = over_ranks(model, loss_sum)
+    replicas.average([*gradients(model.parts), loss])
     layers = layer_metrics.collect(loss_sum.device) if layer_metrics is not None else None  # before clipping
     # With FSDP's CPU offload the gradients and so their norm are in host memory.
     grad_norm = clip_grad_norm(optimizers, max_norm, model.pp_group).to(loss_sum.device)
-    return over_ranks(model, loss_sum), grad_norm, layers
+    return loss, grad_norm, layers
 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         config = load_config(argv)
+        config.job.dump_folder = replica_folder(config.job.dump_folder, config.fault_tolerance)
         wandb_logging.check_installed(config.metrics)  # before anything is written
     except ConfigError as e:
         report_failure(f"config error: {e}")

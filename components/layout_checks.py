@@ -9,6 +9,7 @@ import torch
 
 from components.config import Config, ConfigError
 from components.distributed import ParallelDims
+from components.fault_tolerance import check_replica_config
 
 
 def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
@@ -47,6 +48,7 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
         raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
     if config.evaluation.enable and not config.evaluation.tasks:
         raise ConfigError("evaluation.enable needs at least one task in evaluation.tasks")
+    check_replica_config(config.fault_tolerance, dims.dp_replicate)
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:

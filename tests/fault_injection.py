@@ -8,6 +8,8 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
                    integrity.json and the rename that commit the checkpoint
   hang-step:N:R    rank R stops responding (sleeps) during step N
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
+  slow-steps:N[:R] rank R (or every rank) sleeps SLOW_STEP_SECONDS in every step from step N on, and waits there
+                   while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
 
 With INGOT_FAULT_ONCE=<path> each rank arms the fault only where <path>.rank<R> does not exist yet, and creates
 it: a job that restarts after the fault (job.max_restarts) then runs clean.
@@ -61,8 +63,23 @@ def kill_everything() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+SLOW_STEP_SECONDS = 0.3
+
+
 def inject(kind: str, step: int, rank: int | None) -> None:
-    if kind in ("kill-step", "hang-step", "raise-step"):
+    if kind == "slow-steps":
+        original_step, calls = Optimizers.step, [0]
+
+        def slow_step(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] >= step and (rank is None or dist.get_rank() == rank):
+                time.sleep(SLOW_STEP_SECONDS)
+                while os.path.exists(os.environ.get("INGOT_PAUSE", "")):
+                    time.sleep(0.05)
+            return original_step(self, *args, **kwargs)
+
+        Optimizers.step = slow_step
+    elif kind in ("kill-step", "hang-step", "raise-step"):
         original_step, calls = Optimizers.step, [0]
 
         def step_with_fault(self, *args, **kwargs):

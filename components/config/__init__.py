@@ -36,6 +36,7 @@ from components.config.schema import (
     Config,
     ConfigError,
     Evaluation,
+    FaultTolerance,
     Float8,
     Job,
     LRScheduler,
@@ -54,7 +55,7 @@ from components.config.schema import (
 __all__ = [
     "CHOICES", "CONFIG_DIR", "COUNT", "DECAY", "DTYPES", "FRACTION", "NON_NEGATIVE", "OFF_AT_0", "POSITIVE", "RANGES",
     "REPO_ROOT", "SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Config", "ConfigError",
-    "Evaluation", "Float8", "Job", "LRScheduler", "Metrics", "Model", "MoE", "Optimizer", "Parallelism", "Profiling",
-    "Range", "Training", "Validation", "all_keys", "all_ranges", "dump_config", "field_types", "git_commit",
-    "load_config", "model_config_class", "resolve_config_file", "to_toml",
+    "Evaluation", "FaultTolerance", "Float8", "Job", "LRScheduler", "Metrics", "Model", "MoE", "Optimizer",
+    "Parallelism", "Profiling", "Range", "Training", "Validation", "all_keys", "all_ranges", "dump_config",
+    "field_types", "git_commit", "load_config", "model_config_class", "resolve_config_file", "to_toml",
 ]

@@ -395,6 +395,22 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Replica groups on torchft (docs/reliability.md): this run is one of replica_groups groups, each launched
+    on its own with the same config but for replica_id; the groups average their gradients every step, and
+    one that fails leaves the others training, then rejoins with a live group's state."""
+    replica_id: int = 0
+    """This group's id, 0 to replica_groups - 1: its share of the data and its folder, <dump_folder>/replica_<id>."""
+    replica_groups: int = 2
+    """Groups in the job: they split each step's batch, as data_parallel_replicate_degree replicas would."""
+    lighthouse: str = ""
+    """http://host:port of the job's torchft_lighthouse; empty: the TORCHFT_LIGHTHOUSE environment variable."""
+    timeout_seconds: int = 60
+    """How long a group waits for a quorum, the groups' all-reduce and a joining group's state transfer."""
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -412,6 +428,7 @@ class Config:
     evaluation: Evaluation = field(default_factory=Evaluation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
 
 CHOICES = {
@@ -465,6 +482,8 @@ RANGES = {
     "profiling.profile_freq": COUNT, "profiling.profiler_warmup": NON_NEGATIVE, "profiling.profiler_active": COUNT,
     "comm.init_timeout_seconds": COUNT, "comm.train_timeout_seconds": COUNT,
     "comm.trace_buf_size": Range(0, note="0: no flight recorder"),
+    "fault_tolerance.replica_id": NON_NEGATIVE, "fault_tolerance.replica_groups": COUNT,
+    "fault_tolerance.timeout_seconds": COUNT,
 }
 """The allowed range of every numeric key outside [model] (a family's model keys carry theirs, `Model.ranges`),
 checked by load_config once the file and overrides are applied."""

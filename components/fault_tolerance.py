@@ -1,0 +1,177 @@
+"""Replica groups on torchft: data-parallel replicas that fail and rejoin while the others keep training.
+
+With fault_tolerance.enable, a job is `replica_groups` separate torchrun jobs (groups), each with the same config
+but for fault_tolerance.replica_id, each parallelized inside as usual (FSDP, TP, PP, CP), and all of them joined
+by torchft: its lighthouse (`torchft_lighthouse`, one per job) forms a quorum of the live groups before every
+step, and each group's manager averages the gradients over the groups of that quorum (rank r of every group with
+rank r of the others: the same layout holds the same shard) before the step is clipped and taken. A group that
+dies leaves the quorum at the next step; the others go on without a restart. A group that (re)joins is behind the
+quorum's step: its manager fetches the weights, optimizer, schedule, step guard and step of a live group from
+that group's same-rank process (no checkpoint read) before the step, and from then on every group takes the same
+update from the same weights: bitwise the same weights.
+
+Each group writes into <job.dump_folder>/replica_<id>: its own log, metrics and checkpoints. What each group reads
+while another is away, and what a lost group costs: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from components.config import ConfigError, FaultTolerance
+
+logger = logging.getLogger("ingot")
+
+
+def replica_folder(dump_folder: str, cfg: FaultTolerance) -> str:
+    """Where a group writes: its own folder under the job's."""
+    return os.path.join(dump_folder, f"replica_{cfg.replica_id}") if cfg.enable else dump_folder
+
+
+def data_share(cfg: FaultTolerance, dims) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel degree) over all groups: group g's ranks follow those of
+    groups 0 to g - 1, as the replicas of data_parallel_replicate_degree would."""
+    rank, degree = dims.dp_mesh.get_local_rank(), dims.dp
+    return (cfg.replica_id * degree + rank, cfg.replica_groups * degree) if cfg.enable else (rank, degree)
+
+
+def check_replica_config(cfg: FaultTolerance, dp_replicate: int) -> None:
+    if not cfg.enable:
+        return
+    if cfg.replica_id >= cfg.replica_groups:
+        raise ConfigError(f"fault_tolerance.replica_id {cfg.replica_id} is not a group of replica_groups "
+                          f"{cfg.replica_groups}: give each group an id from 0 to {cfg.replica_groups - 1}")
+    if dp_replicate > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree {dp_replicate} with fault_tolerance: the "
+                          "replica groups are the replicas; shard inside a group (data_parallel_shard_degree)")
+    if "RANK" not in os.environ:
+        raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
+
+
+class NoReplicas:
+    """A run without fault tolerance: one group that always commits."""
+
+    groups, group_id = 1, 0
+
+    def start_step(self) -> None:
+        pass
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def should_commit(self, step: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaGroups:
+    """This process's side of the replica groups: its torchft manager, which takes part in the quorum of every
+    step (start_step), averages tensors over the groups of the quorum (average) and says whether the step may be
+    taken (should_commit); and `states`, what a (re)joining group takes from a live one."""
+
+    def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, device: torch.device):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's server logs every quorum and commit at info
+        for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # It warns at every quorum on CPU (no NCCL flight recorder); its errors are in should_commit's line.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        try:
+            from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError as e:
+            raise ConfigError("fault_tolerance.enable needs torchft: pip install -e '.[ft]'") from e
+        self.states = {name: state for name, state in checkpointed.items() if name != "dataloader"}
+        self.groups, self.group_id = cfg.replica_groups, cfg.replica_id
+        timeout = timedelta(seconds=cfg.timeout_seconds)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+            # The fewest groups a step is taken with is the lighthouse's --min_replicas: fewer wait there.
+            use_async_quorum=False,  # a rejoining group takes the state before its forward, not during it
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            lighthouse_addr=cfg.lighthouse or None, replica_id=f"ingot_{cfg.replica_id}",
+            init_sync=False,  # every group starts from the same weights: they are a function of the seed
+        )
+        # The manager counts committed steps from 0; a group resumed from a checkpoint is at `step`.
+        self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
+        self.participants, self.took_state = cfg.replica_groups, False
+        self.speaks = dist.get_rank() == 0  # each group's rank 0
+
+    def start_step(self) -> None:
+        """Join this step's quorum. A group behind the quorum takes a live group's state here (self._load)."""
+        start = time.perf_counter()
+        self.manager.start_quorum()
+        if self.took_state:
+            logger.info(f"replica group {self.group_id} took the state of step {self.states['train_state'].step} "
+                        f"from a live group in {time.perf_counter() - start:.2f}s (quorum and transfer)")
+            self.took_state = False
+        participants = self.manager.num_participants()
+        if participants != self.participants and self.speaks:
+            away = self.groups - participants
+            logger.warning(f"step {self.manager.current_step() + 1}: {participants} of {self.groups} replica groups "
+                           f"take part" + (f"; the share of the {away} away is not trained" if away > 0 else ""))
+            self.participants = participants
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        """Each tensor replaced by its mean over the groups of this step's quorum (one all-reduce per dtype)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            self.manager.allreduce(flat).wait()
+            for t, averaged in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                t.copy_(averaged)
+
+    def should_commit(self, step: int) -> bool:
+        """Whether every group of the quorum got through this step; if not, it is taken again with the next batch."""
+        error = self.manager.errored()
+        committed = self.manager.should_commit()
+        if not committed and self.speaks:
+            cause = str(error.original_exception).splitlines()[0] if error else "another rank of this group failed"
+            logger.warning(f"step {step} not committed by the replica groups ({cause}): taken again with this "
+                           "group's next batch; this attempt's batch is not trained")
+        return committed
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def _state(self) -> dict:
+        """What a joining group takes: every state but the data loader's (each group reads its own share), with
+        each DTensor as this rank's shard (the joining rank holds the same shard)."""
+        return {name: tree_map(_local, state.state_dict()) for name, state in self.states.items()}
+
+    def _load(self, received: dict) -> None:
+        for name, state in self.states.items():
+            state.load_state_dict(tree_map(_like, state.state_dict(), received[name]))
+        self.took_state = True
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _like(mine, received):
+    """`received` (a shard, or a plain value) in the form of this rank's own entry `mine`."""
+    if isinstance(mine, DTensor):
+        return DTensor.from_local(received.to(mine.device), mine.device_mesh, mine.placements, run_check=False,
+                                  shape=mine.shape, stride=mine.stride())
+    if isinstance(mine, torch.Tensor) and isinstance(received, torch.Tensor):
+        return received.to(mine.device)
+    return received
+
+
+def gradients(model_parts: list[nn.Module]) -> list[torch.Tensor]:
+    """This rank's gradient tensors (shards of DTensor gradients), the ones the groups average."""
+    return [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]

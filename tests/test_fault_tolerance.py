@@ -1,0 +1,160 @@
+"""Replica groups on torchft (components/fault_tolerance.py), on CPU over gloo: a job of two groups, each its own
+./run_train.sh, joined by a torchft lighthouse. Without a fault they train as one data-parallel run; a group killed
+with SIGKILL at a random step leaves the other training, and relaunched it takes a live group's state (no checkpoint
+read) and from then on holds bitwise the weights of the other."""
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, losses, metric_lines, torchrun
+from fault_injection import kill_tree
+
+pytestmark = pytest.mark.slow
+STEPS = 8
+
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.timeout_seconds", "20", "--checkpoint.enable", "true",
+      "--checkpoint.interval", "1000"]  # a checkpoint of the last step only
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse():
+    """A torchft lighthouse on a free port, as docs/reliability.md starts it; its address."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                             "--join_timeout_ms", "5000", "--quorum_tick_ms", "50", "--bind", f"[::]:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield f"http://localhost:{port}"
+    proc.kill()
+    proc.wait()
+
+
+def start_group(group: int, nproc: int, dump: Path, lighthouse: str, log: Path, steps: int,
+                pause: Path | None = None) -> subprocess.Popen:
+    """One group's ./run_train.sh; with `pause`, the same launcher running train.py with a short sleep in every
+    step and a wait while the file `pause` exists (tests/fault_injection.py): the test holds it back meanwhile."""
+    env = dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    args = [*TINY, *FT, "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse,
+            "--training.steps", str(steps), "--job.dump_folder", str(dump)]
+    command = ["./run_train.sh", *args]
+    if pause:
+        env |= {"INGOT_FAULT": "slow-steps:1", "INGOT_PAUSE": str(pause)}
+        command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", str(nproc),
+                   "tests/fault_injection.py", *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def final_weights(dump: Path, steps: int) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from components.checkpoint import one_process, saved_entries
+
+    step = dump / "checkpoint" / f"step-{steps}"
+    names = {n.removeprefix("model."): e.size for n, e in saved_entries(step).items() if n.startswith("model.")}
+    weights = {name: torch.empty(size) for name, size in names.items()}
+    with one_process():
+        dcp.load({"model": weights}, checkpoint_id=str(step), no_dist=True)
+    return weights
+
+
+def assert_same_weights(a: Path, b: Path, steps: int) -> None:
+    wa, wb = final_weights(a, steps), final_weights(b, steps)
+    assert wa.keys() == wb.keys()
+    assert all(wa[k].equal(wb[k]) for k in wa), [k for k in wa if not wa[k].equal(wb[k])]
+
+
+def test_two_replica_groups_train_as_one_data_parallel_run(tmp_path, lighthouse):
+    """Group g reads data-parallel share g of 2: the losses of a run with data_parallel_shard_degree 2 (the groups
+    average their gradients as FSDP does), the same in both groups, and the same final weights."""
+    logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
+    groups = [start_group(g, 1, tmp_path / "ft", lighthouse, logs[g], STEPS) for g in (0, 1)]
+    assert [g.wait(timeout=600) for g in groups] == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    one = tmp_path / "one_job"
+    torchrun(2, [*TINY, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "2",
+                 "--job.dump_folder", str(one)])
+    replica = [tmp_path / "ft" / f"replica_{g}" for g in (0, 1)]
+    assert losses(replica[0]) == losses(replica[1])
+    for step, loss in losses(one).items():
+        assert losses(replica[0])[step] == pytest.approx(loss, rel=1e-5), step
+    assert_same_weights(replica[0], replica[1], STEPS)
+    assert "took the state" not in logs[0].read_text() + logs[1].read_text()
+
+
+def step_lines(log: Path) -> list[int]:
+    return [int(line.split("step")[1].split()[0]) for line in log.read_text().splitlines() if "  loss  " in line]
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1_process_per_group", "2_processes_fsdp_per_group"])
+def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse, nproc):
+    """Group 1's launcher and workers are SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on
+    alone, saying so; group 1, relaunched, reads no checkpoint, takes group 0's state, and ends with its weights.
+    (Whichever group starts first trains alone until the other joins it, by the same state transfer.) Group 0 is
+    held back between its steps while group 1 starts again, so that it cannot finish first on a busy machine."""
+    logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
+    dump, steps, pause = tmp_path / "ft", 30, tmp_path / "hold_group0"
+
+    def wait_for(condition, process):
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert process.poll() is None and time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs
+                                                                            if log.exists()]
+            time.sleep(0.05)
+
+    survivor = start_group(0, nproc, dump, lighthouse, logs[0], steps, pause)
+    victim = start_group(1, nproc, dump, lighthouse, logs[1], steps)
+    wait_for(lambda: len(step_lines(logs[1])) >= random.randint(2, 4), victim)
+    kill_tree(victim.pid)
+    victim.wait()
+    killed_at = step_lines(logs[1])[-1]
+    wait_for(lambda: "1 of 2 replica groups take part" in logs[0].read_text()
+             and step_lines(logs[0])[-1] >= killed_at + 3, survivor)
+    pause.touch()
+    relaunched = start_group(1, nproc, dump, lighthouse, logs[2], steps)
+    wait_for(lambda: "mesh:" in logs[2].read_text(), relaunched)  # its manager starts in a moment
+    pause.unlink()
+    assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
+    assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+
+    assert "1 of 2 replica groups take part; the share of the 1 away is not trained" in logs[0].read_text()
+    assert [m["step"] for m in metric_lines(dump / "replica_0")] == list(range(1, steps + 1))  # no step lost
+    hashes = [m["data_hash"] for m in metric_lines(dump / "replica_0")]
+    assert len(set(hashes)) == len(hashes)  # group 0 never read a batch twice
+    rejoined = logs[2].read_text()
+    assert "took the state of step" in rejoined and "resuming" not in rejoined  # no checkpoint read
+    joined_at = int(rejoined.split("took the state of step ")[1].split()[0])
+    assert joined_at > killed_at + 2
+    after = {s: loss for s, loss in losses(dump / "replica_1").items() if s > joined_at}
+    assert len(after) == steps - joined_at and all(losses(dump / "replica_0")[s] == loss for s, loss in after.items())
+    assert_same_weights(dump / "replica_0", dump / "replica_1", steps)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id 2 is not a group of replica_groups 2"),
+    ([], "fault_tolerance needs torchrun's store: launch each group with ./run_train.sh"),
+], ids=["replica_id_out_of_range", "without_torchrun"])
+def test_fault_tolerance_refuses_at_start_up_what_it_cannot_do(tmp_path, train_in_process, capsys, args, message):
+    assert train_in_process([*TINY, "--fault_tolerance.enable", "true", *args, "--job.dump_folder",
+                             str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fault_tolerance_refuses_a_mixture_of_experts_model(tmp_path):
+    env = dict(os.environ, NGPU="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(["./run_train.sh", "--job.config_file", "debug_moe.toml", "--fault_tolerance.enable",
+                             "true", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    assert "not available yet: fault_tolerance with a mixture-of-experts model" in result.stderr
