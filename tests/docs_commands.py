@@ -34,7 +34,8 @@ and then one document sees. What the runner changes, and why:
   the run the next command stops. The tools run fewer and shorter trainings (TOOL_CUTS): the benchmark
   its baseline case only, for 3 steps; autotune 4 candidates (batch 4 or 8, AC none or full, no compile)
   of 2 steps; coord_check 2 steps. In the scratch copy, the sweep files (train_configs/sweeps/) keep the
-  first 2 values of each grid key and their first 2 [[runs]], of 2 steps each; the ladder files
+  first value of each grid key and their first [[runs]], of 2 steps each (tests/test_sweep.py runs the rest
+  of what a sweep does); the ladder files
   (train_configs/ladders/) keep their first 2 token budgets, a 32nd of each, with 2 warm-up steps and no
   bootstrap; both validate on 2 batches (losses this close to the initial ones give the resamples nothing to fit).
   Each command still starts its processes as documented: that, not the steps, is most of its time.
@@ -241,9 +242,9 @@ def copy_repository(repo: Path, scratch: Path) -> None:
         data = tomllib.loads(sweep.read_text())
         data.setdefault("overrides", {}).update({"training.steps": STEPS, "validation.steps": STEPS})
         if "grid" in data:
-            data["grid"] = {key: values[:2] for key, values in data["grid"].items()}
+            data["grid"] = {key: values[:1] for key, values in data["grid"].items()}
         if "runs" in data:
-            data["runs"] = data["runs"][:2]
+            data["runs"] = data["runs"][:1]
         sweep.write_text(to_toml(data))
     for ladder in (scratch / "train_configs" / "ladders").glob("*.toml"):
         data = tomllib.loads(ladder.read_text())
