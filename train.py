@@ -33,7 +33,7 @@ from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT
-from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, gradients, replica_folder
+from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, gradients, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection, freeze_before_exit
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
@@ -41,12 +41,11 @@ from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, ZLossFigure
 from components.launch import report_failure, run_worker
 from components.layer_metrics import LayerMetrics
-from components.layout_checks import check_supported
+from components.layout_checks import check_model_supported, check_supported
 from components.loss import ZLoss, cross_entropy_loss
 from components.metrics import MetricsLogger, peak_memory_gib, slow_step_warning
 from components.model_on_rank import ModelOnRank, forward_backward, local, over_ranks, prepare_batch
 from components.model_package import import_model_package
-from components.moe_layer import has_moe_layer
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
 from components.param_norm import ParamNorm
 from components.profiling import Profiler
@@ -98,11 +97,7 @@ def train(config: Config, signals: StopSignals) -> int:
         on_rank0_for_all(check_hf_form, model_package, model_args)
     with torch.device("meta"):
         whole_model = model_package.Transformer(model_args)
-    if dims.ep > 1 and not has_moe_layer(whole_model):
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
-                          f"{config.model.name} {config.model.flavor} has none")
-    if config.fault_tolerance.enable and has_moe_layer(whole_model):  # each group's routing biases would drift apart
-        raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
+    check_model_supported(config, dims, whole_model)
     n_params = sum(p.numel() for p in whole_model.parameters())
     matmul_dtype = "float8" if config.float8.enable else training.mixed_precision_param
 
@@ -147,8 +142,7 @@ def train(config: Config, signals: StopSignals) -> int:
         return 0
     start_step = train_state.step = checkpointer.load()
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
-    replicas = (ReplicaGroups(config.fault_tolerance, checkpointer.states, start_step, device)
-                if config.fault_tolerance.enable else NoReplicas())
+    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, device)
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
         return 0
@@ -182,8 +176,7 @@ def train(config: Config, signals: StopSignals) -> int:
                 step = train_state.step + 1
                 heartbeat.beat(step, 0)
                 log_this_step = metrics.should_log(step)
-                # A pipeline's first step also runs forwards on placeholder tensors to infer shapes,
-                # which would pollute the per-layer statistics.
+                # A pipeline's first step also runs forwards on placeholders (shapes): no per-layer statistics.
                 first_pipeline_step = pipeline is not None and step == start_step + 1
                 record_layers = layer_metrics if log_this_step and not first_pipeline_step else None
                 lr = lr_schedule.lr
@@ -201,8 +194,7 @@ def train(config: Config, signals: StopSignals) -> int:
                 for feature in step_features:
                     figures |= feature.after_step(step, skip, log_this_step)
                 stop_now = preemption.agreed()
-                # The guard's counters are read (a sync) only where the loop syncs anyway; a run that
-                # must stop does so before it saves.
+                # The guard's counters are read (a sync) only where the loop syncs anyway, before any save.
                 if log_this_step or checkpointer.due(step) or stop_now or step == training.steps:
                     skipped = step_guard.check()
                     if log_this_step:
@@ -221,11 +213,8 @@ def train(config: Config, signals: StopSignals) -> int:
             raise heartbeat.stopped(e) from e
         raise
     finally:
-        checkpointer.close()
-        dataloader.close()
-        metrics.close()
-        collector.close()
-        replicas.close()
+        for part in (checkpointer, dataloader, metrics, collector, replicas):  # the checkpointer waits for its save
+            part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"
         export(config, checkpointer.folder / f"step-{training.steps}", hf_folder, config.checkpoint.export_dtype)

@@ -58,6 +58,11 @@ def check_replica_config(cfg: FaultTolerance, dp_replicate: int) -> None:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 
 
+def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int,
+                   device: torch.device) -> ReplicaGroups | NoReplicas:
+    return ReplicaGroups(cfg, checkpointed, step, device) if cfg.enable else NoReplicas()
+
+
 class NoReplicas:
     """A run without fault tolerance: one group that always commits."""
 

@@ -6,10 +6,12 @@ parallelize.py; what holds for any model lives here, so that a forked model does
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from components.config import Config, ConfigError
 from components.distributed import ParallelDims
 from components.fault_tolerance import check_replica_config
+from components.moe_layer import has_moe_layer
 
 
 def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
@@ -49,6 +51,15 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
     if config.evaluation.enable and not config.evaluation.tasks:
         raise ConfigError("evaluation.enable needs at least one task in evaluation.tasks")
     check_replica_config(config.fault_tolerance, dims.dp_replicate)
+
+
+def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) -> None:
+    """What the model built (on the meta device) cannot do with this config."""
+    if dims.ep > 1 and not has_moe_layer(model):
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
+                          f"{config.model.name} {config.model.flavor} has none")
+    if config.fault_tolerance.enable and has_moe_layer(model):  # each group's routing biases would drift apart
+        raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:
