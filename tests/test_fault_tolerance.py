@@ -30,14 +30,22 @@ def free_port() -> int:
 
 @pytest.fixture
 def lighthouse():
-    """A torchft lighthouse on a free port, as docs/reliability.md starts it; its address."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
-                             "--join_timeout_ms", "5000", "--quorum_tick_ms", "50", "--bind", f"[::]:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield f"http://localhost:{port}"
-    proc.kill()
-    proc.wait()
+    """Start a torchft lighthouse on a free port, as docs/reliability.md does: lighthouse(min_replicas) -> its address.
+    With min_replicas 2 the first step waits for both groups; with 1 a group that is alone trains alone."""
+    started = []
+
+    def start(min_replicas: int = 1) -> str:
+        port = free_port()
+        started.append(subprocess.Popen(
+            [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
+             "--join_timeout_ms", "5000", "--quorum_tick_ms", "50", "--bind", f"[::]:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return f"http://localhost:{port}"
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
 
 
 def start_group(group: int, nproc: int, dump: Path, lighthouse: str, log: Path, steps: int,
@@ -80,7 +88,8 @@ def test_two_replica_groups_train_as_one_data_parallel_run(tmp_path, lighthouse)
     """Group g reads data-parallel share g of 2: the losses of a run with data_parallel_shard_degree 2 (the groups
     average their gradients as FSDP does), the same in both groups, and the same final weights."""
     logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
-    groups = [start_group(g, 1, tmp_path / "ft", lighthouse, logs[g], STEPS) for g in (0, 1)]
+    address = lighthouse(min_replicas=2)  # both groups from the first step
+    groups = [start_group(g, 1, tmp_path / "ft", address, logs[g], STEPS) for g in (0, 1)]
     assert [g.wait(timeout=600) for g in groups] == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
     one = tmp_path / "one_job"
     torchrun(2, [*TINY, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "2",
@@ -101,10 +110,10 @@ def step_lines(log: Path) -> list[int]:
 def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse, nproc):
     """Group 1's launcher and workers are SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on
     alone, saying so; group 1, relaunched, reads no checkpoint, takes group 0's state, and ends with its weights.
-    (Whichever group starts first trains alone until the other joins it, by the same state transfer.) Group 0 is
-    held back between its steps while group 1 starts again, so that it cannot finish first on a busy machine."""
+    (Group 1 first joins group 0 the same way, if group 0 is ahead by then.) Group 0 is held back between its steps
+    while group 1 starts again, so that it cannot finish first on a busy machine."""
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
-    dump, steps, pause = tmp_path / "ft", 30, tmp_path / "hold_group0"
+    dump, steps, pause, address = tmp_path / "ft", 30, tmp_path / "hold_group0", lighthouse(min_replicas=1)
 
     def wait_for(condition, process):
         deadline = time.monotonic() + 300
@@ -113,22 +122,31 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
                                                                             if log.exists()]
             time.sleep(0.05)
 
-    survivor = start_group(0, nproc, dump, lighthouse, logs[0], steps, pause)
-    victim = start_group(1, nproc, dump, lighthouse, logs[1], steps)
-    wait_for(lambda: len(step_lines(logs[1])) >= random.randint(2, 4), victim)
-    kill_tree(victim.pid)
-    victim.wait()
-    killed_at = step_lines(logs[1])[-1]
-    wait_for(lambda: "1 of 2 replica groups take part" in logs[0].read_text()
-             and step_lines(logs[0])[-1] >= killed_at + 3, survivor)
-    pause.touch()
-    relaunched = start_group(1, nproc, dump, lighthouse, logs[2], steps)
-    wait_for(lambda: "mesh:" in logs[2].read_text(), relaunched)  # its manager starts in a moment
-    pause.unlink()
-    assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
-    assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+    survivor = start_group(0, nproc, dump, address, logs[0], steps, pause)
+    started = [survivor]
+    try:
+        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)  # group 1 joins it, not the reverse
+        started.append(victim := start_group(1, nproc, dump, address, logs[1], steps))
+        kill_after = random.randint(2, 4)
+        wait_for(lambda: len(step_lines(logs[1])) >= kill_after, victim)
+        kill_tree(victim.pid)
+        victim.wait()
+        killed_at = step_lines(logs[1])[-1]
+        wait_for(lambda: max(step_lines(logs[0]), default=0) >= killed_at + 3, survivor)
+        pause.touch()
+        started.append(relaunched := start_group(1, nproc, dump, address, logs[2], steps))
+        wait_for(lambda: "mesh:" in logs[2].read_text(), relaunched)  # its manager starts in a moment
+        pause.unlink()
+        assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
+        assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+    finally:  # nothing left running after a failure
+        for process in started:
+            if process.poll() is None:
+                kill_tree(process.pid)
 
-    assert "1 of 2 replica groups take part; the share of the 1 away is not trained" in logs[0].read_text()
+    alone = [int(line.split("step ")[1].split(":")[0]) for line in logs[0].read_text().splitlines()
+             if "1 of 2 replica groups take part; the share of the 1 away is not trained" in line]
+    assert any(step > killed_at for step in alone), alone  # the survivor said it went on alone
     assert [m["step"] for m in metric_lines(dump / "replica_0")] == list(range(1, steps + 1))  # no step lost
     hashes = [m["data_hash"] for m in metric_lines(dump / "replica_0")]
     assert len(set(hashes)) == len(hashes)  # group 0 never read a batch twice
