@@ -112,6 +112,8 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
         self.participants, self.took_state = cfg.replica_groups, False
         self.speaks = dist.get_rank() == 0  # each group's rank 0
+        lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        logger.info(f"replica group {cfg.replica_id} of {cfg.replica_groups}, in the quorums of {lighthouse}")
 
     def start_step(self) -> None:
         """Join this step's quorum. A group behind the quorum takes a live group's state here (self._load)."""

@@ -79,6 +79,7 @@ TOOL_CUTS = {
 CHECKPOINT = re.compile(r"([\w./-]+)/checkpoint/step-(\d+)")
 REFUSED, MAX_REFUSAL_LINES = 2, 15
 TIMEOUT = 900  # seconds per command
+TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
 LANES = 2
@@ -121,9 +122,13 @@ class Outcome:
 
 def _unquoted(text: str) -> tuple[list[int], bool]:
     """The positions of `text`'s characters outside quotes and escapes, and whether a quote is left open."""
-    positions, quote, escaped = [], None, False
+    positions, quote, escaped, comment = [], None, False, False
     for i, c in enumerate(text):
-        if escaped:
+        if comment:  # a comment runs to the end of its line, quotes in it included
+            comment = c != "\n"
+            if not comment:
+                positions.append(i)
+        elif escaped:
             escaped = False
         elif c == "\\" and quote != "'":
             escaped = True
@@ -132,6 +137,7 @@ def _unquoted(text: str) -> tuple[list[int], bool]:
         elif c in "'\"":
             quote = c
         else:
+            comment = c == "#" and (i == 0 or text[i - 1].isspace())
             positions.append(i)
     return positions, quote is not None
 
@@ -301,9 +307,9 @@ def run(text: str, scratch: Path) -> tuple[int, str]:
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output = process.communicate(timeout=TIMEOUT)[0]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # bash itself may have ended, but something it started holds the output
         os.killpg(process.pid, signal.SIGKILL)
-        output = process.communicate()[0] + f"\n[timed out after {TIMEOUT} s]"
+        return TIMED_OUT, process.communicate()[0] + f"\n[timed out after {TIMEOUT} s]"
     except BaseException:  # interrupted: leave no command running
         os.killpg(process.pid, signal.SIGKILL)
         raise

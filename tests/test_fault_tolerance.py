@@ -110,8 +110,8 @@ def step_lines(log: Path) -> list[int]:
 def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse, nproc):
     """Group 1's launcher and workers are SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on
     alone, saying so; group 1, relaunched, reads no checkpoint, takes group 0's state, and ends with its weights.
-    (Group 1 first joins group 0 the same way, if group 0 is ahead by then.) Group 0 is held back between its steps
-    while group 1 starts again, so that it cannot finish first on a busy machine."""
+    (Group 1 first joins group 0 the same way.) Group 0 is held back between its steps while group 1 starts, and
+    again while it starts again, so that group 0 cannot run far ahead or finish first on a busy machine."""
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
     dump, steps, pause, address = tmp_path / "ft", 30, tmp_path / "hold_group0", lighthouse(min_replicas=1)
 
@@ -122,11 +122,14 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
                                                                             if log.exists()]
             time.sleep(0.05)
 
+    pause.touch()  # group 0 waits after its first step until group 1 has started: group 1 joins it, not the reverse
     survivor = start_group(0, nproc, dump, address, logs[0], steps, pause)
     started = [survivor]
     try:
-        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)  # group 1 joins it, not the reverse
+        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)
         started.append(victim := start_group(1, nproc, dump, address, logs[1], steps))
+        wait_for(lambda: "replica group 1 of 2" in logs[1].read_text(), victim)  # its manager is up
+        pause.unlink()
         kill_after = random.randint(2, 4)
         wait_for(lambda: len(step_lines(logs[1])) >= kill_after, victim)
         kill_tree(victim.pid)
@@ -135,7 +138,7 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
         wait_for(lambda: max(step_lines(logs[0]), default=0) >= killed_at + 3, survivor)
         pause.touch()
         started.append(relaunched := start_group(1, nproc, dump, address, logs[2], steps))
-        wait_for(lambda: "mesh:" in logs[2].read_text(), relaunched)  # its manager starts in a moment
+        wait_for(lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
         pause.unlink()
         assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
         assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
