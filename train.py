@@ -33,7 +33,7 @@ from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT
-from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, gradients, replica_folder, replica_groups
+from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection, freeze_before_exit
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
@@ -285,7 +285,7 @@ def train_step(
                 part.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
         loss_sum = loss_sum + forward_backward(model, *next(batches), grad_accum_steps, train=True)
     loss = over_ranks(model, loss_sum)
-    replicas.average([*gradients(model.parts), loss])
+    replicas.average_step(model.parts, loss)
     layers = layer_metrics.collect(loss_sum.device) if layer_metrics is not None else None  # before clipping
     # With FSDP's CPU offload the gradients and so their norm are in host memory.
     grad_norm = clip_grad_norm(optimizers, max_norm, model.pp_group).to(loss_sum.device)

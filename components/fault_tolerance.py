@@ -66,12 +66,10 @@ def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step:
 class NoReplicas:
     """A run without fault tolerance: one group that always commits."""
 
-    groups, group_id = 1, 0
-
     def start_step(self) -> None:
         pass
 
-    def average(self, tensors: list[torch.Tensor]) -> None:
+    def average_step(self, model_parts: list[nn.Module], loss: torch.Tensor) -> None:
         pass
 
     def should_commit(self, step: int) -> bool:
@@ -83,7 +81,7 @@ class NoReplicas:
 
 class ReplicaGroups:
     """This process's side of the replica groups: its torchft manager, which takes part in the quorum of every
-    step (start_step), averages tensors over the groups of the quorum (average) and says whether the step may be
+    step (start_step), averages the step over the groups of the quorum (average_step) and says whether the step may be
     taken (should_commit); and `states`, what a (re)joining group takes from a live one."""
 
     def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, device: torch.device):
@@ -130,8 +128,10 @@ class ReplicaGroups:
                            f"take part" + (f"; the share of the {away} away is not trained" if away > 0 else ""))
             self.participants = participants
 
-    def average(self, tensors: list[torch.Tensor]) -> None:
-        """Each tensor replaced by its mean over the groups of this step's quorum (one all-reduce per dtype)."""
+    def average_step(self, model_parts: list[nn.Module], loss: torch.Tensor) -> None:
+        """This rank's gradients (shards of DTensor ones) and the step's loss replaced by their means over the groups
+        of this step's quorum (one all-reduce per dtype)."""
+        tensors = [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None] + [loss]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -178,7 +178,3 @@ def _like(mine, received):
         return received.to(mine.device)
     return received
 
-
-def gradients(model_parts: list[nn.Module]) -> list[torch.Tensor]:
-    """This rank's gradient tensors (shards of DTensor gradients), the ones the groups average."""
-    return [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]
