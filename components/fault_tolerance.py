@@ -1,7 +1,7 @@
 """Replica groups on torchft: data-parallel replicas that fail and rejoin while the others keep training.
 
 With fault_tolerance.enable, a job is `replica_groups` separate torchrun jobs (groups), each with the same config
-but for fault_tolerance.replica_id, each parallelized inside as usual (FSDP, TP, PP, CP), and all of them joined
+but for fault_tolerance.replica_id, sharded inside by FSDP (data_parallel_shard_degree), and all of them joined
 by torchft: its lighthouse (`torchft_lighthouse`, one per job) forms a quorum of the live groups before every
 step, and each group's manager averages the gradients over the groups of that quorum (rank r of every group with
 rank r of the others: the same layout holds the same shard) before the step is clipped and taken. A group that
@@ -45,15 +45,21 @@ def data_share(cfg: FaultTolerance, dims) -> tuple[int, int]:
     return (cfg.replica_id * degree + rank, cfg.replica_groups * degree) if cfg.enable else (rank, degree)
 
 
-def check_replica_config(cfg: FaultTolerance, dp_replicate: int) -> None:
+def check_replica_config(cfg: FaultTolerance, dims) -> None:
     if not cfg.enable:
         return
     if cfg.replica_id >= cfg.replica_groups:
         raise ConfigError(f"fault_tolerance.replica_id {cfg.replica_id} is not a group of replica_groups "
                           f"{cfg.replica_groups}: give each group an id from 0 to {cfg.replica_groups - 1}")
-    if dp_replicate > 1:
-        raise ConfigError(f"parallelism.data_parallel_replicate_degree {dp_replicate} with fault_tolerance: the "
-                          "replica groups are the replicas; shard inside a group (data_parallel_shard_degree)")
+    if dims.dp_replicate > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree {dims.dp_replicate} with fault_tolerance: "
+                          "the replica groups are the replicas; shard inside a group (data_parallel_shard_degree)")
+    # Averaging rank r with rank r holds for any layout inside a group, but only FSDP groups are tested so far.
+    others = {"tensor": dims.tp, "pipeline": dims.pp, "context": dims.cp}
+    named = [f"parallelism.{kind}_parallel_degree {degree}" for kind, degree in others.items() if degree > 1]
+    if named:
+        raise ConfigError(f"not available yet: fault_tolerance with {', '.join(named)}; shard a replica group with "
+                          "FSDP alone (data_parallel_shard_degree)")
     if "RANK" not in os.environ:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 

@@ -50,7 +50,7 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
         raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
     if config.evaluation.enable and not config.evaluation.tasks:
         raise ConfigError("evaluation.enable needs at least one task in evaluation.tasks")
-    check_replica_config(config.fault_tolerance, dims.dp_replicate)
+    check_replica_config(config.fault_tolerance, dims)
 
 
 def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) -> None:

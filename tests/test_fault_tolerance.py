@@ -172,10 +172,14 @@ def test_fault_tolerance_refuses_at_start_up_what_it_cannot_do(tmp_path, train_i
     assert message in capsys.readouterr().err
 
 
-def test_fault_tolerance_refuses_a_mixture_of_experts_model(tmp_path):
-    env = dict(os.environ, NGPU="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    result = subprocess.run(["./run_train.sh", "--job.config_file", "debug_moe.toml", "--fault_tolerance.enable",
-                             "true", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300)
+@pytest.mark.parametrize("nproc, args, message", [
+    (1, ["--job.config_file", "debug_moe.toml"], "not available yet: fault_tolerance with a mixture-of-experts model"),
+    (2, ["--parallelism.tensor_parallel_degree", "2"],
+     "not available yet: fault_tolerance with parallelism.tensor_parallel_degree 2"),
+], ids=["moe", "tensor_parallel"])
+def test_fault_tolerance_refuses_under_torchrun_what_it_cannot_do(tmp_path, nproc, args, message):
+    env = dict(os.environ, NGPU=str(nproc), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(["./run_train.sh", *args, "--fault_tolerance.enable", "true", "--job.dump_folder",
+                             str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert "not available yet: fault_tolerance with a mixture-of-experts model" in result.stderr
+    assert message in result.stderr
