@@ -54,6 +54,7 @@ from components.routing import RoutingTally
 from components.run_lock import die_with_launcher, lock_dump_folder, release_dump_folders
 from components.step_guard import StepGuard
 from components.stopping import Preemption, StopSignals, exit_status
+from components.stragglers import StepTimes
 from components.tokenizer import build_tokenizer
 from parallelisms.float8 import Float8ScalePrecompute
 from parallelisms.fsdp import initialize_on_device
@@ -160,7 +161,8 @@ def train(config: Config, signals: StopSignals) -> int:
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
     step_features += [SourceTokens(dataloader, dp_group, device), ParamNorm(optimizers, model.pp_group)]
     step_features.append(data_hash := DataHash(dataloader, dp_group, device))
-    step_features.append(collector := GarbageCollection(training.gc_every_steps))
+    step_features += [collector := GarbageCollection(training.gc_every_steps),
+                      step_times := StepTimes(config.metrics.straggler_factor, model.pp_group, device)]
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
@@ -199,8 +201,7 @@ def train(config: Config, signals: StopSignals) -> int:
                     skipped = step_guard.check()
                     if log_this_step:
                         metrics.log(step, loss.item(), grad_norm.item(), lr, skipped | figures)
-                if layers:
-                    metrics.log_layers(step, layers)
+                metrics.log_layers(step, layers)
                 evaluations.after_step(step, metrics)
                 if step == start_step + 1:
                     logger.info(f"peak memory after the first step: {peak_memory_gib(device):.2f} GiB on this rank")
@@ -213,7 +214,7 @@ def train(config: Config, signals: StopSignals) -> int:
             raise heartbeat.stopped(e) from e
         raise
     finally:
-        for part in (checkpointer, dataloader, metrics, collector, replicas):  # the checkpointer waits for its save
+        for part in (checkpointer, dataloader, metrics, collector, step_times, replicas):  # a save is waited for
             part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"

@@ -211,6 +211,8 @@ class MetricsLogger:
                 + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
                 + (f"  moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else "")
                 + (f"  z_loss {record['z_loss']:.4f}" if "z_loss" in record else "")
+                + (f"  rank step time {record['rank_step_time_min']:.3f}-{record['rank_step_time_max']:.3f}s "
+                   f"(slowest rank {record['slowest_rank']})" if "slowest_rank" in record else "")
             )
             self.jsonl.write(json.dumps(record) + "\n")
             self.scalars(step, {f"train/{key}": value for key, value in record.items()
@@ -258,10 +260,10 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.scalars(step, {key: value for key, value in record.items() if key != "step"})
 
-    def log_layers(self, step: int, layers: dict[int, dict[str, float]]) -> None:
+    def log_layers(self, step: int, layers: dict[int, dict[str, float]] | None) -> None:
         """Per-block statistics (components/layer_metrics.py): one metrics.jsonl record, and
-        scalars layers/<field>/<layer>."""
-        if not self.is_writer:
+        scalars layers/<field>/<layer>; nothing for a step without them (None)."""
+        if not self.is_writer or not layers:
             return
         self.jsonl.write(json.dumps({"step": step, "layers": layers}) + "\n")
         self.scalars(step, {f"layers/{field}/{layer}": value

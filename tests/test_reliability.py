@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ON_HF, REPO, TINY, losses, metric_lines
-from fault_injection import descendants, kill_tree
+from fault_injection import SLOW_STEP_SECONDS, descendants, kill_tree
 
 from components.checkpoint_integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
 from components.optim import Optimizers
 from components.step_guard import StepGuard
+from components.stragglers import CollectiveWaits, slow_ranks
 
 STEPS = 12
 RUN = [*TINY, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--checkpoint.enable", "true",
@@ -47,17 +48,71 @@ def steps_logged(dump: Path) -> list[int]:
     return [m["step"] for m in metric_lines(dump) if "loss" in m]
 
 
+SLOW_RANK = "slow-steps:3:1"
+"""The 2-process reference's rank 1 sleeps in every step from step 3 on (tests/fault_injection.py): a straggler
+changes no figure of the training, and test_a_rank_slower_than_the_others_is_named_once reads its run."""
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Uninterrupted runs (1 and 2 processes, sync and async checkpointing alike), by process count."""
+    """Uninterrupted runs (1 and 2 processes, sync and async checkpointing alike), by process count; under
+    "2proc-run", the 2-process run's dump folder and output."""
     runs = {}
     for nproc in (1, 2):
         dump = tmp_path_factory.mktemp(f"reference{nproc}")
-        result = launch(nproc, RUN, dump)
+        result = launch(nproc, RUN, dump, fault=SLOW_RANK if nproc == 2 else None)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[nproc] = losses(dump)
         assert sorted(runs[nproc]) == list(range(1, STEPS + 1))
+    runs["2proc-run"] = dump, result.stdout + result.stderr
     return runs
+
+
+@pytest.mark.slow
+def test_a_rank_slower_than_the_others_is_named_once_and_every_logged_step_shows_the_spread(references):
+    """Rank 1 sleeps SLOW_STEP_SECONDS in each step from step 3 on: every logged step from then on names it the
+    slowest, with a spread of about the sleep (rank 0 waits for it in the collectives, and that wait is not rank
+    0's step time); after 3 such steps in a row (log_freq 1) the log names it a straggler, once."""
+    dump, log = references["2proc-run"]
+    records = {m["step"]: m for m in metric_lines(dump) if "loss" in m}
+    assert "slowest_rank" not in records[1]  # the first step compiles and warms up: not measured
+    for step in range(3, STEPS + 1):
+        spread = records[step]["rank_step_time_max"] - records[step]["rank_step_time_min"]
+        assert records[step]["slowest_rank"] == 1 and 0.7 * SLOW_STEP_SECONDS < spread < 3 * SLOW_STEP_SECONDS, \
+            records[step]
+    named = [line for line in log.splitlines() if "straggler:" in line]
+    assert len(named) == 1 and "straggler: rank 1 took " in named[0] and " at step 5, " in named[0], named
+    assert "x the " in named[0] and "(metrics.straggler_factor 1.5)" in named[0], named
+
+
+def test_a_straggler_is_measured_against_the_ranks_of_its_own_pipeline_stage():
+    # 4 ranks, 2 stages: stage 1 does more work (the loss) but its two ranks are alike.
+    assert slow_ranks([0.10, 0.30, 0.11, 0.31], [0, 1, 0, 1], factor=1.5) == []
+    assert slow_ranks([0.10, 0.30, 0.20, 0.31], [0, 1, 0, 1], factor=1.5) == [2]
+    assert slow_ranks([0.10, 0.14], [0, 0], factor=1.5) == []
+    assert slow_ranks([0.10, 0.16, 0.10, 0.10], [0, 0, 0, 0], factor=1.5) == [1]
+    assert slow_ranks([0.10], [0], factor=1.5) == []  # nobody to compare with
+
+
+def test_collective_waits_are_timed_on_the_loop_thread_only_and_torch_is_restored_after():
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    originals = dist.Work.wait, funcol.wait_tensor
+    waits = CollectiveWaits()
+    try:
+        slow = waits.timed(lambda: time.sleep(0.05))
+        slow()
+        elsewhere = threading.Thread(target=slow)
+        elsewhere.start()
+        elsewhere.join()
+        assert 0.05 <= waits.take() < 0.09 and waits.take() == 0.0
+        assert (dist.Work.wait, funcol.wait_tensor) != originals
+    finally:
+        waits.close()
+    assert (dist.Work.wait, funcol.wait_tensor) == originals
 
 
 # (processes, fault, extra arguments, the checkpoint the resume must start from)

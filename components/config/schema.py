@@ -327,6 +327,10 @@ class Metrics:
     training dtype; CPUs and other GPUs then log no MFU."""
     per_layer: bool = False
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
+    straggler_factor: float = 1.5
+    """Name a rank (once, in the log) whose step time without its waits for the other ranks stays at least this
+    many times theirs (components/stragglers.py; CPU runs: gloo); 0: name none. Each logged step records the
+    fastest and slowest rank's step times either way."""
     enable_wandb: bool = False
     """Also log to Weights & Biases (docs/wandb.md): rank 0 only, its files under <dump_folder>/wandb/. Needs
     `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps the run on disk. The keys below left empty leave
@@ -477,6 +481,7 @@ RANGES = {
     "checkpoint.interval": COUNT, "checkpoint.keep_latest_k": Range(0, note="0: keep all"),
     "checkpoint.keep_damaged": NON_NEGATIVE,
     "metrics.log_freq": COUNT, "metrics.peak_flops": Range(0, note="0: from the table of known GPUs"),
+    "metrics.straggler_factor": Range(1, open_low=True, also=(0,), note="0: name no straggler"),
     "validation.freq": COUNT, "validation.steps": COUNT,
     "evaluation.freq": COUNT, "evaluation.limit": Range(0, note="0: all examples"),
     "profiling.profile_freq": COUNT, "profiling.profiler_warmup": NON_NEGATIVE, "profiling.profiler_active": COUNT,
