@@ -19,9 +19,6 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
     unsupported = {
         # Dynamo would trace the statistics hooks into the compiled blocks.
         "metrics.per_layer with compile.enable": config.metrics.per_layer and config.compile.enable,
-        # The ring's blocks would need their own masks (allgather and alltoall take documents).
-        "training.document_masking with parallelism.context_parallel_method ring":
-            config.training.document_masking and dims.cp > 1 and config.parallelism.context_parallel_method == "ring",
         # Compiled checkpointed blocks trace the ring into one graph, and its point-to-point sends cannot be traced.
         "parallelism.context_parallel_method ring with compile.enable and activation checkpointing":
             dims.cp > 1 and config.parallelism.context_parallel_method == "ring" and config.compile.enable

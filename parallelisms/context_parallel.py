@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from components.config import ConfigError
-from parallelisms.ring_attention import ring_attention
+from parallelisms.ring_attention import ring_attention, ring_document_ids
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -182,9 +182,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
                            heads_per_rank: int | None = None) -> nn.Module:
     """Make `model` (a whole Transformer or a pipeline stage) run on this rank's zigzag share of
     each sequence: it reads the RoPE angles at this rank's positions, and every module with an
-    `sdpa` (the attention modules) attends through the `method`'s attention; allgather replaces the
-    model's `document_mask` builder too. `heads_per_rank`, the query heads of a rank after tensor
-    parallelism, lets alltoall refuse at start-up what it cannot split.
+    `sdpa` (the attention modules) attends through the `method`'s attention; allgather and ring replace the
+    model's `document_mask` builder too (ring's attention takes the document ids themselves).
+    `heads_per_rank`, the query heads of a rank after tensor parallelism, lets alltoall refuse at start-up what
+    it cannot split.
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
     if method == "alltoall" and heads_per_rank is not None:
@@ -193,6 +194,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     model.positions = positions.to(cp_mesh.device_type)
     if method == "allgather":
         model.document_mask = partial(allgather_document_mask, positions=model.positions)
+    if method == "ring":
+        model.document_mask = ring_document_ids
     for module in model.modules():
         if hasattr(module, "sdpa"):
             module.sdpa = {

@@ -8,6 +8,11 @@ ever holds more than two blocks of keys and values, and no mask is built: agains
 is either the rank's own (causal), or one whose first chunk all of the rank's queries see (an earlier rank),
 or one that only the rank's second chunk sees, whole (a later rank).
 
+With document masking every rank has the document ids of the whole sequence (what the model's `document_mask`
+gives the attention under ring is those ids, `ring_document_ids`), and each block's mask, of that block's
+queries and keys only, is built from them as the block is attended: at or before the query, in its document. A
+query with no key of its document in a block takes nothing from it (its log-sum-exp there is -inf).
+
 The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
 its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
 kernel that returns the log-sum-exp (flash attention on CPU and for half precision on CUDA, the
@@ -42,10 +47,15 @@ def _ring_blocks():
         _state.depth -= 1
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """Attention of q (batch, heads, q_len, head_dim) to k, v (same heads): the output, the log-sum-exp of each
-    query's scores, float32 (batch, heads, q_len), and what the kernel's backward needs of its forward besides
-    (`block_backward`'s `aux`: sequence offsets and random-number state, empty on CPU)."""
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None = None):
+    """Attention of q (batch, heads, q_len, head_dim) to k, v (same heads), causal or under an additive `bias`
+    (`block_bias`): the output, the log-sum-exp of each query's scores, float32 (batch, heads, q_len), and what
+    the kernel's backward needs of its forward besides (`block_backward`'s `aux`: sequence offsets and
+    random-number state, empty on CPU). A query the bias leaves no key gets output 0 and log-sum-exp -inf."""
+    if bias is not None:
+        out, lse, aux = _biased_forward(q, k, v, bias)
+        empty = bias.amax(-1) == float("-inf")
+        return out.masked_fill(empty[..., None], 0), lse.masked_fill(empty, float("-inf")), aux
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out, lse, ()
@@ -58,10 +68,47 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return out, lse[..., : q.shape[2]], (philox_seed, philox_offset)  # its log-sum-exp is padded to 32 queries
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=()):
+def _biased_forward(q, k, v, bias):
+    """block_forward under a bias: the CPU flash kernel takes one; on CUDA the memory-efficient kernel (flash
+    takes no mask), whose bias rows must start at multiples of 16 elements."""
+    if q.device.type == "cpu":
+        return (*aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias), ())
+    out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(q, k, v, _aligned(bias, q),
+                                                                                        True, 0.0, False)
+    return out, lse[..., : q.shape[2]], (philox_seed, philox_offset)
+
+
+def _aligned(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The bias as the memory-efficient kernel takes it: rows starting at multiples of 16 elements, a view
+    over q's heads."""
+    padding = -bias.shape[-1] % 16
+    bias = torch.nn.functional.pad(bias, (0, padding))[..., : bias.shape[-1]] if padding else bias
+    return bias.expand(q.shape[0], q.shape[1], -1, -1)
+
+
+def block_bias(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """(batch, 1, queries, keys): 0 where the query at q_positions may see the key at k_positions (at or before
+    it, in its document), -inf elsewhere. document_ids: (batch, seq), of the whole sequence."""
+    allowed = ((document_ids[:, q_positions, None] == document_ids[:, None, k_positions])
+               & (q_positions[:, None] >= k_positions[None, :]))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=(), bias: torch.Tensor | None = None):
     """The gradients of q, k, v for one block of `block_forward`, given the final output and log-sum-exp of
     these queries over every block (which is what makes the per-block gradients add up to the whole)."""
+    if bias is not None and q.device.type != "cpu":
+        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
+        padded[..., : lse.shape[-1]] = lse
+        philox_seed, philox_offset = aux
+        return aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, _aligned(bias, q), out, padded, philox_seed, philox_offset, 0.0,
+            [True, True, True, False], False)[:3]
     if q.device.type == "cpu":
+        if bias is not None:
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, False,
+                                                                             attn_mask=bias)
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
     if q.dtype in (torch.float16, torch.bfloat16):
         cum_seq_q, cum_seq_k, philox_seed, philox_offset = aux
@@ -127,23 +174,42 @@ def _block_slices(owner: int, rank: int, chunk: int):
     return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
 
 
+def _zigzag_positions(rank: int, size: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """The sequence positions of `rank`'s zigzag share (parallelisms/context_parallel.py's zigzag_positions)."""
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
+
+
+def _block(q, document_ids, rank: int, owner: int, size: int):
+    """The block of `owner`'s keys and values this rank attends to: (query slice, key slice, causal, bias); the
+    bias (None without documents) masks by document and position."""
+    chunk = q.shape[2] // 2
+    rows, keys, causal = _block_slices(owner, rank, chunk)
+    if document_ids is None:
+        return rows, keys, causal, None
+    q_positions = _zigzag_positions(rank, size, chunk, q.device)[rows]
+    k_positions = _zigzag_positions(owner, size, chunk, q.device)[keys]
+    return rows, keys, False, block_bias(document_ids, q_positions, k_positions, q.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, document_ids: torch.Tensor | None = None):
         with _ring_blocks():
-            return RingAttention._forward(ctx, q, k, v, ring)
+            return RingAttention._forward(ctx, q, k, v, ring, document_ids)
 
     @staticmethod
-    def _forward(ctx, q, k, v, ring: Ring):
+    def _forward(ctx, q, k, v, ring: Ring, document_ids):
         rank, size = ring.rank, ring.size
-        repeats, chunk = q.shape[1] // k.shape[1], q.shape[2] // 2
+        repeats = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v])
         out = lse = None
         for step in range(size):
             pending = ring.start(kv) if step < size - 1 else None
-            rows, keys, causal = _block_slices((rank - step) % size, rank, chunk)
+            rows, keys, causal, bias = _block(q, document_ids, rank, (rank - step) % size, size)
             block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
-            block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal)
+            block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal, bias)
             if out is None:  # the rank's own block, causal: every query sees a key in it. Copies, merged into
                 # in place below: selective activation checkpointing may keep the kernel's outputs themselves.
                 out, lse, aux = block_out.to(torch.float32, copy=True), block_lse.clone(), block_aux
@@ -153,16 +219,16 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, document_ids)
         ctx.ring, ctx.aux = ring, aux
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, document_ids = ctx.saved_tensors
         ring = ctx.ring
         rank, size = ring.rank, ring.size
-        repeats, chunk = q.shape[1] // k.shape[1], q.shape[2] // 2
+        repeats = q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
         kv = torch.stack([k, v])
         grad_q = torch.zeros_like(q, dtype=torch.float32)
@@ -170,10 +236,11 @@ class RingAttention(torch.autograd.Function):
         pending_grad = None
         for step in range(size):
             pending_kv = ring.start(kv) if step < size - 1 else None
-            rows, keys, causal = _block_slices((rank - step) % size, rank, chunk)
+            rows, keys, causal, bias = _block(q, document_ids, rank, (rank - step) % size, size)
             block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
             dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows].contiguous(), block_k, block_v,
-                                        out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, ctx.aux)
+                                        out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, ctx.aux,
+                                        bias)
             grad_q[:, :, rows] += dq
             if pending_grad is not None:
                 grad_kv = ring.finish(pending_grad)
@@ -183,18 +250,22 @@ class RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, cp_mesh: DeviceMesh
-                   ) -> torch.Tensor:
+def ring_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """The model's `document_mask` under ring: what each layer's attention is given is the document ids of the
+    whole sequence (batch, seq) themselves; each block builds its own mask from them."""
+    return document_ids
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                   cp_mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
-    zigzag shares; n_kv_heads may divide n_heads. Returns a tensor shaped like q.
+    zigzag shares; n_kv_heads may divide n_heads. With `document_ids` (batch, seq) of the whole sequence (given
+    as the attention modules' mask, `ring_document_ids`), within documents. Returns a tensor shaped like q.
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
-    not traceable; the kernels it calls are fused already. No document masking (refused at start-up,
-    components/layout_checks.py)."""
-    if mask is not None:
-        raise NotImplementedError("ring attention with document masking")
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh))
+    not traceable; the kernels it calls are fused already."""
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), document_ids)

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from models.attention import causal_attention
+from models.attention import causal_attention, document_mask
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.context_parallel import (
     allgather_kv_attention,
@@ -23,7 +23,7 @@ from parallelisms.context_parallel import (
     shard_sequence,
     zigzag_positions,
 )
-from parallelisms.ring_attention import block_backward, block_forward, merge, ring_attention
+from parallelisms.ring_attention import block_backward, block_bias, block_forward, merge, ring_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -63,36 +63,51 @@ def test_alltoall_refuses_heads_that_the_degree_does_not_divide_naming_the_way_o
     apply_context_parallel(model, mesh, 16, "ring", heads_per_rank=6)
 
 
-def ring_blocks_against_sdpa(device: str, dtype: torch.dtype, around=contextlib.nullcontext()
+DOCUMENTS = torch.tensor([0] * 20 + [1] * 30 + [2] * 14)
+"""Documents of 64 positions for ring_blocks_against_sdpa: the queries of document 2 (50-63) have no key of
+their document among the first 32."""
+
+
+def ring_blocks_against_sdpa(device: str, dtype: torch.dtype, around=contextlib.nullcontext(), documents=False
                              ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The ring's arithmetic in one process: the second half of 64 queries attends to the first half of the keys
     (whole) and to the second (causally) in two fused-kernel calls merged by log-sum-exp; the backward of each
-    call, given the merged output and log-sum-exp, adds up to the gradients. (name, ring's, SDPA's) each for the
-    output and the gradients of q, k and v. The ring's calls run inside the context manager `around`."""
+    call, given the merged output and log-sum-exp, adds up to the gradients. With `documents`, within DOCUMENTS:
+    each call under its block's mask. (name, ring's, SDPA's) each for the output and the gradients of q, k and v.
+    The ring's calls run inside the context manager `around`."""
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v, probe = (torch.randn(2, 8, 64, 32, device=device, generator=generator).to(dtype) for _ in range(4))
     probe = probe[:, :, 32:].contiguous()
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)[:, :, 32:]
+    ids = DOCUMENTS.to(device).expand(2, 64)
+    if documents:
+        expected = F.scaled_dot_product_attention(*leaves, attn_mask=document_mask(ids, flex=False))[:, :, 32:]
+    else:
+        expected = F.scaled_dot_product_attention(*leaves, is_causal=True)[:, :, 32:]
     (expected * probe.float()).sum().backward()
 
     rows, before, own = q[:, :, 32:], slice(0, 32), slice(32, 64)
+    positions = torch.arange(64, device=device)
+    blocks = [(keys, causal, block_bias(ids, positions[32:], positions[keys], dtype) if documents else None)
+              for keys, causal in ((before, False), (own, not documents))]
     with around:
-        out, lse, aux = block_forward(rows, k[:, :, before], v[:, :, before], causal=False)
-        out_own, lse_own, _ = block_forward(rows, k[:, :, own], v[:, :, own], causal=True)
+        (_, _, bias), (_, causal, own_bias) = blocks
+        out, lse, aux = block_forward(rows, k[:, :, before], v[:, :, before], False, bias)
+        out_own, lse_own, _ = block_forward(rows, k[:, :, own], v[:, :, own], causal, own_bias)
         out, lse = merge(out.float(), lse, out_own.float(), lse_own)
         out = out.to(dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (rows, k, v))
-        for keys, causal in ((before, False), (own, True)):
-            grads = block_backward(probe, rows, k[:, :, keys], v[:, :, keys], out, lse, causal, aux)
+        for keys, causal, bias in blocks:
+            grads = block_backward(probe, rows, k[:, :, keys], v[:, :, keys], out, lse, causal, aux, bias)
             dq += grads[0]
             dk[:, :, keys], dv[:, :, keys] = grads[1], grads[2]
     return [("output", out, expected), ("dq", dq, leaves[0].grad[:, :, 32:]), ("dk", dk, leaves[1].grad),
             ("dv", dv, leaves[2].grad)]
 
 
-def test_ring_blocks_merged_by_log_sum_exp_are_causal_attention_forward_and_backward():
-    for name, got, expected in ring_blocks_against_sdpa("cpu", torch.float32):
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_ring_blocks_merged_by_log_sum_exp_are_causal_attention_forward_and_backward(documents):
+    for name, got, expected in ring_blocks_against_sdpa("cpu", torch.float32, documents=documents):
         torch.testing.assert_close(got.float(), expected, **TOL, msg=name)
 
 
@@ -156,8 +171,8 @@ def check_attention(cp_mesh) -> None:
 
 def check_model(cp_mesh) -> None:
     """The Llama model under CP with each method: logits, and parameter gradients summed over the ranks,
-    match one process on the full sequence; so do the hidden states of a pipeline stage; and, with document
-    masking, those of allgather and alltoall."""
+    match one process on the full sequence; so do the hidden states of a pipeline stage; and so do the logits and
+    gradients with document masking (at CP 4 some of the ring's blocks hold no key of a query's document)."""
     seq_len = 16
     torch.manual_seed(0)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=seq_len, multiple_of=32)
@@ -196,7 +211,7 @@ def check_model(cp_mesh) -> None:
     reference.zero_grad()
     logits = reference(inputs, documents)
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    for method in ("allgather", "alltoall"):
+    for method in ("allgather", "ring", "alltoall"):
         model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method)
         model.zero_grad()
         local_logits = model(shard_sequence(inputs, cp_mesh), documents)

@@ -131,19 +131,20 @@ def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_he
         assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_ring_attention_blocks_use_fused_kernels_and_add_up_to_causal_attention(dtype):
-    """parallelisms/ring_attention.py's CUDA kernels (flash in bf16, memory-efficient in fp32) for two blocks of
-    keys merged by log-sum-exp, forward and backward, against SDPA on the whole; the profiler sees the ring run
-    the fused kernels and no softmax of its own."""
+def test_ring_attention_blocks_use_fused_kernels_and_add_up_to_causal_attention(dtype, documents):
+    """parallelisms/ring_attention.py's CUDA kernels (flash in bf16, memory-efficient in fp32 and under a
+    document mask) for two blocks of keys merged by log-sum-exp, forward and backward, against SDPA on the whole;
+    the profiler sees the ring run the fused kernels and no softmax of its own."""
     from test_context_parallel import ring_blocks_against_sdpa
     from torch.profiler import ProfilerActivity, profile
 
     trace = profile(activities=[ProfilerActivity.CUDA])
-    for name, got, expected in ring_blocks_against_sdpa("cuda", dtype, around=trace):
+    for name, got, expected in ring_blocks_against_sdpa("cuda", dtype, around=trace, documents=documents):
         assert relative_error(got, expected) < (2e-2 if dtype == torch.bfloat16 else 1e-4), name
     kernels = " ".join(event.key.lower() for event in trace.key_averages())
-    assert ("flash" if dtype == torch.bfloat16 else "fmha") in kernels, kernels[:2000]
+    assert ("flash" if dtype == torch.bfloat16 and not documents else "fmha") in kernels, kernels[:2000]
     assert "softmax" not in kernels, kernels[:2000]
 
 

@@ -182,7 +182,7 @@ def test_every_forward_goes_through_the_swappable_sdpa_with_the_document_mask_wh
     assert calls == [False, False, True, True]
 
 
-def test_document_masking_is_refused_with_ring_attention_and_so_is_ring_with_compiled_checkpoints():
+def test_ring_is_refused_with_compiled_checkpoints_and_document_masking_is_taken_by_every_layout():
     from components.config import ConfigError, load_config
     from components.distributed import ParallelDims
     from components.layout_checks import check_supported
@@ -193,14 +193,13 @@ def test_document_masking_is_refused_with_ring_attention_and_so_is_ring_with_com
             check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
         return str(refused.value)
 
-    assert "training.document_masking with parallelism.context_parallel_method ring" in refusal(
-        "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring")
     assert "ring with compile.enable and activation checkpointing" in refusal(
         "--training.document_masking", "false", "--parallelism.context_parallel_degree", "2",
         "--parallelism.context_parallel_method", "ring", "--compile.enable", "true",
         "--activation_checkpoint.mode", "full")
     for layout in (["--parallelism.context_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"],
-                   ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "alltoall"]):
+                   ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "alltoall"],
+                   ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring"]):
         config = load_config(["--training.document_masking", "true", *layout])
         check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
 
