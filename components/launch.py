@@ -29,6 +29,11 @@ KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
 LAUNCHED = "INGOT_LAUNCHER"
 """Set in the environment of this launcher's workers, which leave their failure reports to it."""
+FAILURE_GRACE_SECONDS = 5
+"""How long the other workers get to end, once one has ended with a hang, a crash or any status but 0 and 75, before
+they are killed. torchrun waits 30 s there (TORCH_ELASTIC_SHUTDOWN_TIMEOUT is for a stop signal, where the workers
+save a checkpoint), but with a peer gone no collective of theirs can complete, and a frozen rank, which a SIGTERM does
+not stop, would hold the job that long."""
 
 
 def worst_status(statuses: Iterable[int]) -> int:
@@ -79,12 +84,15 @@ class Workers:
         consequence of that one's (torchrun's SIGTERM, then SIGKILL, or a broken collective)."""
 
     def watch(self, close: Callable) -> Callable:
-        def watched(context, *args, **kwargs):
+        def watched(context, death_sig=None, timeout=30):
             if context is not self.context:  # the first close of these workers (a restart brings new ones)
-                running = {r for r, h in context.subprocess_handlers.items() if h.proc.poll() is None}
+                codes = {r: h.proc.poll() for r, h in context.subprocess_handlers.items()}
+                running = {r for r, code in codes.items() if code is None}
                 self.context = context
-                self.consequences = running if len(running) < len(context.subprocess_handlers) else set()
-            close(context, *args, **kwargs)
+                self.consequences = running if len(running) < len(codes) else set()
+                if running and any(code not in (None, 0, EXIT_PREEMPTED) for code in codes.values()):
+                    timeout = min(timeout, FAILURE_GRACE_SECONDS)
+            close(context, death_sig, timeout)
         return watched
 
     def outcome(self) -> tuple[int | None, list[str]]:
