@@ -174,13 +174,6 @@ def _block_slices(owner: int, rank: int, chunk: int):
     return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
 
 
-def _zigzag_positions(rank: int, size: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """The sequence positions of `rank`'s zigzag share (parallelisms/context_parallel.py's zigzag_positions)."""
-    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk, device=device),
-                      torch.arange(second, second + chunk, device=device)])
-
-
 def _block(q, document_ids, rank: int, owner: int, size: int):
     """The block of `owner`'s keys and values this rank attends to: (query slice, key slice, causal, bias); the
     bias (None without documents) masks by document and position."""
@@ -188,8 +181,11 @@ def _block(q, document_ids, rank: int, owner: int, size: int):
     rows, keys, causal = _block_slices(owner, rank, chunk)
     if document_ids is None:
         return rows, keys, causal, None
-    q_positions = _zigzag_positions(rank, size, chunk, q.device)[rows]
-    k_positions = _zigzag_positions(owner, size, chunk, q.device)[keys]
+    from parallelisms.context_parallel import zigzag_positions  # here: that module imports this one
+
+    seq = document_ids.shape[1]
+    q_positions = zigzag_positions(seq, size, rank).to(q.device)[rows]
+    k_positions = zigzag_positions(seq, size, owner).to(q.device)[keys]
     return rows, keys, False, block_bias(document_ids, q_positions, k_positions, q.dtype)
 
 
