@@ -19,7 +19,6 @@ from fault_injection import SLOW_STEP_SECONDS, descendants, kill_tree
 
 from components.checkpoint_integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
-from components.launch import FAILURE_GRACE_SECONDS
 from components.optim import Optimizers
 from components.step_guard import StepGuard
 from components.stragglers import CollectiveWaits, slow_ranks
@@ -394,7 +393,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_with_exit_status_
                              "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=240)
     assert result.returncode == 4, result.stderr[-3000:]
-    assert time.monotonic() - start < 25 + FAILURE_GRACE_SECONDS  # 25 s: start-up, 3 steps, the 5 s timeout
+    assert time.monotonic() - start < 60  # start-up, 3 steps, the 5 s timeout, the grace (16-26 s on 2 cores)
     lines = [line for line in result.stderr.splitlines() if "hang:" in line]
     assert len(lines) == 1 and "on rank 0 in step 4 after its optimizer step: 1 rank(s) stopped making progress: " \
         "rank 1 in step 4 before its optimizer step, last heard" in lines[0], result.stderr
