@@ -385,7 +385,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_with_exit_status_
     """Rank 1 stops in step 4 (it sleeps, as a frozen or SIGSTOPped process would): rank 0's collective times
     out, and the launcher exits 4 with one screen naming rank 1 and its step; the last checkpoint is intact. Rank 1
     sleeps through the launcher's SIGTERM (a trainer stops at a step boundary, which it never reaches): the launcher
-    kills it FAILURE_GRACE_SECONDS later, not after torchrun's 30 s."""
+    kills it 5 s later (components/launch.py's FAILURE_GRACE_SECONDS), not after torchrun's 30 s."""
     start = time.monotonic()
     env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT="hang-step:4:1")
     result = subprocess.run([sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
