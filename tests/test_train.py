@@ -161,3 +161,16 @@ def test_a_run_that_fails_midway_leaves_no_loader_worker_running(tmp_path, train
                           "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)])
     assert failure.traceback  # still held here
     assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_train_function_stays_within_150_lines_and_no_source_file_over_500():
+    """What issue 25 set for a trainer read top to bottom: a new in-loop feature is a module plus one line."""
+    import ast
+
+    tree = ast.parse((REPO / "train.py").read_text())
+    train = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train")
+    assert train.end_lineno - train.lineno + 1 <= 150
+    sources = [REPO / "train.py", *(p for folder in ("components", "models", "parallelisms", "scripts")
+                                     for p in (REPO / folder).rglob("*.py"))]
+    long = {str(p.relative_to(REPO)): n for p in sources if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long

@@ -328,9 +328,8 @@ class Metrics:
     per_layer: bool = False
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
     straggler_factor: float = 1.5
-    """Name a rank (once, in the log) whose step time without its waits for the other ranks stays at least this
-    many times theirs (components/stragglers.py; CPU runs: gloo); 0: name none. Each logged step records the
-    fastest and slowest rank's step times either way."""
+    """Name once a rank whose step time, without its waits for the others, stays this many times theirs
+    (components/stragglers.py; CPU runs); 0: name none. Logged steps record the ranks' times either way."""
     enable_wandb: bool = False
     """Also log to Weights & Biases (docs/wandb.md): rank 0 only, its files under <dump_folder>/wandb/. Needs
     `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps the run on disk. The keys below left empty leave
@@ -472,23 +471,20 @@ RANGES = {
     "training.max_norm": OFF_AT_0, "training.seed": NON_NEGATIVE, "training.dataloader_workers": NON_NEGATIVE,
     "training.max_skipped_steps": Range(0, also=(-1,), note="-1: no limit"),
     "training.spike_sigma": POSITIVE, "training.spike_window": Range(2), "training.z_loss": OFF_AT_0,
-    "training.gc_every_steps": OFF_AT_0,
-    "parallelism.data_parallel_replicate_degree": COUNT,
+    "training.gc_every_steps": OFF_AT_0, "parallelism.data_parallel_replicate_degree": COUNT,
     "parallelism.data_parallel_shard_degree": Range(1, also=(-1,), note="-1: what the other degrees leave"),
     "parallelism.tensor_parallel_degree": COUNT, "parallelism.pipeline_parallel_degree": COUNT,
     "parallelism.context_parallel_degree": COUNT, "parallelism.expert_parallel_degree": COUNT,
     "parallelism.pipeline_parallel_microbatch_size": COUNT, "parallelism.pipeline_parallel_layers_per_stage": COUNT,
     "checkpoint.interval": COUNT, "checkpoint.keep_latest_k": Range(0, note="0: keep all"),
-    "checkpoint.keep_damaged": NON_NEGATIVE,
+    "checkpoint.keep_damaged": NON_NEGATIVE, "validation.freq": COUNT, "validation.steps": COUNT,
     "metrics.log_freq": COUNT, "metrics.peak_flops": Range(0, note="0: from the table of known GPUs"),
-    "metrics.straggler_factor": Range(1, open_low=True, also=(0,), note="0: name no straggler"),
-    "validation.freq": COUNT, "validation.steps": COUNT,
+    "metrics.straggler_factor": Range(1, open_low=True, also=(0,), note="0: name none"),
     "evaluation.freq": COUNT, "evaluation.limit": Range(0, note="0: all examples"),
     "profiling.profile_freq": COUNT, "profiling.profiler_warmup": NON_NEGATIVE, "profiling.profiler_active": COUNT,
     "comm.init_timeout_seconds": COUNT, "comm.train_timeout_seconds": COUNT,
-    "comm.trace_buf_size": Range(0, note="0: no flight recorder"),
+    "comm.trace_buf_size": Range(0, note="0: no flight recorder"), "fault_tolerance.timeout_seconds": COUNT,
     "fault_tolerance.replica_id": NON_NEGATIVE, "fault_tolerance.replica_groups": COUNT,
-    "fault_tolerance.timeout_seconds": COUNT,
 }
 """The allowed range of every numeric key outside [model] (a family's model keys carry theirs, `Model.ranges`),
 checked by load_config once the file and overrides are applied."""
