@@ -84,7 +84,7 @@ class StepTimes:
     straggler named once in the log. Measures nothing with one process or on CUDA."""
 
     def __init__(self, factor: float, pp_group: dist.ProcessGroup | None, device: torch.device):
-        self.factor, self.device = factor, device
+        self.factor = factor
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.waits = CollectiveWaits() if self.world > 1 and device.type == "cpu" else None
         self.stage = dist.get_rank(pp_group) if pp_group is not None else 0  # the rank's pipeline stage
