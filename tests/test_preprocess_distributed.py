@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,36 @@ def test_a_usage_error_on_any_rank_reaches_every_rank_and_an_output_made_for_not
     outcomes = ranks(out, 2, body)
     assert all(isinstance(o, UsageError) and str(o) == "rank 1: no text column" for o in outcomes)
     assert not (tmp_path / "new").exists()
+
+
+def test_the_other_ranks_leave_only_once_rank_0_has_reported_the_error(tmp_path):
+    """torchrun stops the ranks still running as soon as one exits with an error: a rank that left before rank 0
+    logged the job's error would cut that report."""
+    events = []
+
+    def check(r: int) -> None:
+        if r == 1:
+            raise UsageError("no text column")
+
+    def rank(r: int) -> None:
+        world = World(r, 2, "run-0")
+        world.start(tmp_path / "out")
+        try:
+            world.on_every_rank(lambda: check(r))
+        except UsageError:
+            if r == 0:
+                time.sleep(0.5)  # logging, slowly
+                events.append("rank 0 reported")
+        finally:
+            world.close()
+            events.append(f"rank {r} left")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert events[0] == "rank 0 reported" and sorted(events[1:]) == ["rank 0 left", "rank 1 left"]
 
 
 @pytest.mark.parametrize("where", ["between exchanges", "in on_rank0"])

@@ -7,7 +7,7 @@ import sys
 
 from scripts.preprocess.distributed import World
 from scripts.preprocess.errors import EXIT_OK, EXIT_USAGE, UsageError
-from scripts.preprocess.pipeline import DEFAULT_BATCH_BYTES, DEFAULT_SHARD_TOKENS, preprocess
+from scripts.preprocess.pipeline import DEFAULT_BATCH_BYTES, DEFAULT_SHARD_TOKENS, Result, preprocess
 from scripts.preprocess.progress import log
 
 
@@ -50,22 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     world = World.from_env()  # several ranks under torchrun; every rank gets the same exit status
     try:
-        result = preprocess(args.inputs, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
-                            val_fraction=args.val_fraction, max_bad_fraction=args.max_bad_fraction,
-                            shard_tokens=args.shard_tokens, seed=args.seed, batch_bytes=args.batch_bytes,
-                            progress=not args.quiet, world=world)
-    except UsageError as e:
-        if world.rank == 0:
-            log(f"error: {e}")
-        return EXIT_USAGE
+        try:
+            result = preprocess(args.inputs, args.output, args.tokenizer, workers=args.workers,
+                                text_field=args.text_field, val_fraction=args.val_fraction,
+                                max_bad_fraction=args.max_bad_fraction, shard_tokens=args.shard_tokens, seed=args.seed,
+                                batch_bytes=args.batch_bytes, progress=not args.quiet, world=world)
+        except UsageError as e:
+            result = Result(EXIT_USAGE, message=str(e))
+        if result.exit_code != EXIT_OK and world.rank == 0:
+            log(f"error: {result.message}")
     except KeyboardInterrupt:
         print(file=sys.stderr)
         log(f"interrupted; {args.output} has no manifest.json and is not a dataset")
         return 130
     finally:
-        world.close()
-    if result.exit_code != EXIT_OK and world.rank == 0:
-        log(f"error: {result.message}")
+        world.close()  # after rank 0's report: the other ranks leave once rank 0 has closed
     return result.exit_code
 
 

@@ -121,7 +121,8 @@ class World:
         Rank 0 may be leaving with an exception, while the others wait for its next file, or for the one
         after (a rank that read the value rank 0 wrote before it failed): its "closed" files at both numbers
         make them stop, and they write theirs on their way out. A rank that has not got that far when it
-        dies ends the job through torchrun."""
+        dies ends the job through torchrun. The other ranks leave once rank 0 has closed: torchrun stops the
+        ranks still running as soon as one exits with an error, which would cut rank 0's report short."""
         if self.folder is None:
             return
         if self.rank == 0:
@@ -133,6 +134,10 @@ class World:
             self._remove_made()
         else:  # not a failure to ignore: rank 0 would wait for this file
             self._write(None, _CLOSED)
+            # then wait for rank 0 to close (it has reported the job's outcome by then): a rank that ended first
+            # would have torchrun stop rank 0 before its report
+            seq, folder = self._seq, self.folder
+            self._poll(lambda rank: not folder.exists() or self._closed(seq, rank) or self._closed(seq + 1, rank), [0])
         self.folder = None
 
     def _remove_made(self) -> None:
@@ -158,7 +163,10 @@ class World:
         return pickle.loads(self._path(rank, seq).read_bytes())
 
     def _closed(self, seq: int, rank: int) -> bool:
-        return self._path(rank, seq).exists() and self._load(rank, seq)[0] == _CLOSED
+        try:
+            return self._load(rank, seq)[0] == _CLOSED
+        except FileNotFoundError:  # not written yet, or (rank 0's) the folder is gone
+            return False
 
     @staticmethod
     def _poll(ready, items) -> None:
