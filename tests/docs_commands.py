@@ -19,11 +19,12 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 
 Each runs with bash in a scratch copy of the repository (the files git sees: tracked, and untracked but not
 ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md
-run first, in order, in one copy; then the other documents run in LANES copies of that one at once (the
-machine's cores would otherwise idle through the commands' single-threaded start-up), each document whole
-and in order in one of them, the documents of a lane alphabetically. A command thus finds what README.md,
-getting_started.md and the earlier commands of its own document wrote: what a reader who follows the README
-and then one document sees. What the runner changes, and why:
+run first, in order, in one copy; then each other document runs whole and in order in a fresh copy of that one,
+LANES documents at once (the machine's cores would otherwise idle through the commands' single-threaded
+start-up), the longest first. A command thus finds what README.md, getting_started.md and the earlier commands
+of its own document wrote, nothing else: what a reader who follows the README and then one document sees. A
+document's copy (checkpoints hard-linked: a gigabyte of them by then) is deleted when its commands all did as
+documented. What the runner changes, and why:
 - The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
   command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
   is skipped.
@@ -325,43 +326,48 @@ def run_command(command: Command, scratch: Path) -> Outcome:
     return Outcome(command, ran, status, time.perf_counter() - start, output, check(command, status, output))
 
 
-def lanes_of(commands: list[Command], lanes: int) -> list[list[Command]]:
-    """The commands of each lane: whole documents, the one with most commands to run first into the lane with
-    fewest so far (longest-first greedy), then each lane's documents in alphabetical order."""
+def by_document(commands: list[Command]) -> dict[str, list[Command]]:
+    """Each document's commands, the document with most commands to run first."""
     documents: dict[str, list[Command]] = {}
     for command in commands:
         documents.setdefault(command.document, []).append(command)
-    to_run = {name: sum(not c.skip for c in group) for name, group in documents.items()}
-    loads, members = [0] * lanes, [[] for _ in range(lanes)]
-    for name in sorted(documents, key=lambda d: -to_run[d]):
-        lane = loads.index(min(loads))
-        loads[lane] += to_run[name]
-        members[lane].append(name)
-    return [[c for name in sorted(names) for c in documents[name]] for names in members]
+    return dict(sorted(documents.items(), key=lambda item: -sum(not c.skip for c in item[1])))
+
+
+def _link_checkpoints(source: str, destination: str) -> None:
+    """copytree's copy function: the files of a checkpoint (in its step-N folder) are hard links, since nothing
+    writes into a finished checkpoint (a save writes a new folder and renames it); the rest is copied."""
+    if re.fullmatch(r"step-\d+", Path(source).parent.name):
+        os.link(source, destination)
+    else:
+        shutil.copy2(source, destination)
 
 
 def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
                  progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
     """Copy `repo` into `scratch` and run its documented commands there (the module's docstring says in which
     copies and in what order); one Outcome each, in the documents' order. `progress` sees each as it ends."""
-    first = scratch / "lane-0"
+    first = scratch / "first"
     copy_repository(repo, first)
     commands = read_commands(first)
     outcomes: dict[Command, Outcome] = {}
 
-    def run_lane(folder: Path, lane: list[Command]) -> None:
-        for command in lane:
+    def run_in(folder: Path, document: list[Command]) -> None:
+        for command in document:
             outcomes[command] = run_command(command, folder)
             progress(outcomes[command])
 
-    run_lane(first, [c for c in commands if c.document in FIRST])
-    groups = lanes_of([c for c in commands if c.document not in FIRST], lanes)
-    folders = [first]
-    for lane in range(1, lanes):
-        folders.append(scratch / f"lane-{lane}")
-        shutil.copytree(first, folders[-1], symlinks=True)
+    def run_document(number: int, document: list[Command]) -> None:
+        folder = scratch / f"document-{number}"
+        shutil.copytree(first, folder, symlinks=True, copy_function=_link_checkpoints)
+        run_in(folder, document)
+        if not any(outcomes[c].problem for c in document):
+            shutil.rmtree(folder, ignore_errors=True)
+
+    run_in(first, [c for c in commands if c.document in FIRST])
+    others = by_document([c for c in commands if c.document not in FIRST]).values()
     with ThreadPoolExecutor(lanes) as pool:
-        for done in [pool.submit(run_lane, folder, group) for folder, group in zip(folders, groups)]:
+        for done in [pool.submit(run_document, number, document) for number, document in enumerate(others)]:
             done.result()
     return [outcomes[c] for c in commands]
 
@@ -391,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, default=REPO, help="the repository to copy (default: this one)")
     parser.add_argument("--report", type=Path, help="write the report here (default: print it)")
-    parser.add_argument("--lanes", type=int, default=LANES, help=f"copies running at once (default {LANES})")
+    parser.add_argument("--lanes", type=int, default=LANES, help=f"documents running at once (default {LANES})")
     args = parser.parse_args(argv)
 
     def progress(outcome: Outcome) -> None:

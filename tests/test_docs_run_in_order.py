@@ -3,6 +3,8 @@ repository with its steps cut short; tests/docs_commands.py states the rules. Th
 the 90-odd commands that run take about 50 minutes of CPU, most of it their processes' start-up, spread over
 two copies at once."""
 
+import subprocess
+
 import pytest
 from conftest import REPO
 from docs_commands import report, run_commands
@@ -22,3 +24,26 @@ def test_the_documented_commands_run_in_order(tmp_path):
     failed = [o for o in outcomes if o.problem]
     assert not failed, f"{len(failed)} command(s) not as documented (report: {tmp_path / 'report.md'}):\n\n" + (
         "\n\n".join(describe(o) for o in failed))
+
+
+def test_each_document_sees_what_the_readme_and_its_own_commands_wrote_and_nothing_of_the_others(tmp_path):
+    repo = tmp_path / "repo"
+    documents = {"README.md": "echo > from_readme\nmkdir -p run/checkpoint/step-1 && echo > run/checkpoint/step-1/x",
+                 "docs/getting_started.md": "test -e from_readme",
+                 "docs/a.md": "echo > from_a\ntest -e from_readme", "docs/b.md": "test -e from_a  # exits 1",
+                 "docs/c.md": "echo > from_c\nfalse",
+                 "docs/d.md": 'test "$(stat -c %h run/checkpoint/step-1/x)" -ge 2'}  # a hard link
+    for name, commands in documents.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(f"```bash\n{commands}\n```\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+
+    outcomes = run_commands(repo, tmp_path / "scratch")
+
+    assert [(o.command.where, o.status) for o in outcomes] == [
+        ("README.md:2", 0), ("README.md:3", 0), ("docs/getting_started.md:2", 0), ("docs/a.md:2", 0),
+        ("docs/a.md:3", 0), ("docs/b.md:2", 1), ("docs/c.md:2", 0), ("docs/c.md:3", 1), ("docs/d.md:2", 0)]
+    assert [o.command.where for o in outcomes if o.problem] == ["docs/c.md:3"]
+    copies = [p for p in (tmp_path / "scratch").iterdir() if p.name != "first"]
+    assert len(copies) == 1 and (copies[0] / "from_c").exists(), "only the failing document's copy is kept"
