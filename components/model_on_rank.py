@@ -58,14 +58,14 @@ def prepare_batch(
     labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's inputs, labels and (with document masking: an eos_id) document ids of a batch of
-    windows; under context parallelism (a cp_mesh), its share of the sequence. The labels are the
-    windows' next tokens unless given."""
+    windows; under context parallelism (a cp_mesh), its share of the sequence (by documents under document
+    masking), the ids still of the whole sequence. The labels are the windows' next tokens unless given."""
     batch = batch.to(device, non_blocking=True)
     inputs = batch[:, :-1]
     labels = batch[:, 1:] if labels is None else labels.to(device, non_blocking=True)
     documents = document_ids(inputs, eos_id) if eos_id is not None else None
     if cp_mesh is not None:
-        inputs, labels = shard_sequence(inputs, cp_mesh), shard_sequence(labels, cp_mesh)
+        inputs, labels = (shard_sequence(t, cp_mesh, document_ids=documents) for t in (inputs, labels))
     return inputs, labels, documents
 
 

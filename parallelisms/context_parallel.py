@@ -6,7 +6,8 @@ Zigzag sharding. Under a causal mask a query attends to the keys before it, so a
 would leave the first rank almost idle and the last one with most of the work. The sequence is
 instead cut into 2 * cp chunks and rank r takes chunks r and 2*cp-1-r: one early, one late. Each
 rank's two query chunks then see (r + 1) + (2*cp - r) = 2*cp + 1 chunks of keys in all, the same
-on every rank.
+on every rank. Under document masking each row's chunks go to the ranks by its documents instead
+(parallelisms/context_parallel_documents.py).
 
 allgather (what Llama 3 used for long context). Before attention every rank all-gathers the keys and
 values of the whole sequence (one all-gather per layer for both) and attends to them with its own
@@ -37,7 +38,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from components.config import ConfigError
-from parallelisms.ring_attention import ring_attention, ring_document_ids
+from parallelisms.context_parallel_documents import (
+    ShardedDocuments,
+    allgather_documents,
+    alltoall_documents,
+    rank_positions,
+    ring_documents,
+    take,
+)
+from parallelisms.ring_attention import ring_attention
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -52,21 +61,32 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTens
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
 
 
-def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
-    """This rank's zigzag share of `tensor` along `dim` (the sequence of a (batch, seq, ...) tensor)."""
-    positions = zigzag_positions(tensor.shape[dim], cp_mesh.size(), cp_mesh.get_local_rank())
-    return tensor.index_select(dim, positions.to(tensor.device))
+def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of `tensor` along `dim` (the sequence of a (batch, seq, ...) tensor): zigzag, or under
+    document masking (given the rows' `document_ids`) each row's by its documents."""
+    zigzag = zigzag_positions(tensor.shape[dim], cp_mesh.size(), cp_mesh.get_local_rank())  # checks the split too
+    if document_ids is None:
+        return tensor.index_select(dim, zigzag.to(tensor.device))
+    return take(tensor, rank_positions(document_ids, cp_mesh.size(), cp_mesh.get_local_rank()), dim)
 
 
-def _gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
-    """Every rank's x (..., local_seq, head_dim) joined along the sequence, in sequence order.
+def local_positions(document_ids: torch.Tensor | None, *, zigzag: torch.Tensor, cp_size: int,
+                    cp_rank: int) -> torch.Tensor:
+    """The model's `local_positions` under context parallelism: the positions of this rank's share, (local,)
+    zigzag, or (batch, local) under document masking."""
+    return zigzag if document_ids is None else rank_positions(document_ids, cp_size, cp_rank)
+
+
+def _gather_shares(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's x (..., local_seq, head_dim) joined along the sequence, in rank order.
 
     The all-gather goes through DTensor: Shard -> Replicate is the all-gather, and declaring the
     gathered tensor's gradient Partial (a sum still to be taken over the ranks) makes the backward
     the reduce-scatter that sums every rank's contribution and hands each rank its share."""
     seq_dim = x.dim() - 2
     gathered = DTensor.from_local(x.contiguous(), cp_mesh, [Shard(seq_dim)]).redistribute(cp_mesh, [Replicate()])
-    return zigzag_to_sequence_order(gathered.to_local(grad_placements=[Partial()]), cp_mesh.size())
+    return gathered.to_local(grad_placements=[Partial()])
 
 
 def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -91,40 +111,57 @@ def allgather_kv_attention(
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding the tokens at `positions` (this rank's `zigzag_positions`); n_kv_heads
     may divide n_heads (grouped-query attention). Returns a tensor shaped like q."""
-    k, v = _gather_sequence(torch.stack([k, v]), cp_mesh)  # one all-gather for both
-    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank(), mask)
+    if mask is not None:
+        return _allgather_documents_attention(q, k, v, mask, cp_mesh)
+    gathered = _gather_shares(torch.stack([k, v]), cp_mesh)  # one all-gather for both
+    k, v = zigzag_to_sequence_order(gathered, cp_mesh.size())
+    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank())
 
 
-def allgather_document_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """allgather's document mask: (batch, 1, local_seq, seq), True where this rank's query at `positions` may
-    see a key: at or before it, in the same document. document_ids: (batch, seq), of the whole sequence."""
-    seq = document_ids.shape[1]
-    causal = positions[:, None] >= torch.arange(seq, device=document_ids.device)
-    return ((document_ids[:, positions, None] == document_ids[:, None, :]) & causal)[:, None]
+def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """allgather under document masking: the gathered keys and values put in sequence order, row by row."""
+    shares = documents.shares.flatten(1)  # (batch, seq): the positions of the gathered keys, in rank order
+    k, v = take(_gather_shares(torch.stack([k, v]), cp_mesh), shares.argsort(dim=1), dim=3, batch_dim=1)
+    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank())
+
+
+def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: ShardedDocuments,
+                        cp_rank: int) -> torch.Tensor:
+    """allgather's attention under document masking once the keys and values of the whole sequence are gathered:
+    each of rank `cp_rank`'s two query chunks attends to the range of keys the mask's plan gives it
+    (`allgather_documents`), at or before each query, in its document. No process group: the memory estimator
+    runs it on fake tensors."""
+    chunk = q.shape[2] // 2
+    mine = documents.shares[:, cp_rank]
+    outputs = []
+    for j, (start, end) in enumerate(documents.plan.tolist()):
+        q_positions = mine[:, j * chunk:(j + 1) * chunk]  # (batch, chunk)
+        keys = torch.arange(start, end, device=q.device)
+        allowed = ((documents.document_ids.gather(1, q_positions)[:, :, None]
+                    == documents.document_ids[:, None, start:end]) & (q_positions[:, :, None] >= keys))
+        outputs.append(F.scaled_dot_product_attention(
+            q[:, :, j * chunk:(j + 1) * chunk], k[:, :, start:end], v[:, :, start:end], attn_mask=allowed[:, None],
+            enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.cat(outputs, dim=2)
 
 
 def zigzag_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp_size: int, cp_rank: int,
-    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The attention of `allgather_kv_attention` once the keys and values are gathered: rank
+    """The causal attention of `allgather_kv_attention` once the keys and values are gathered: rank
     `cp_rank`'s queries q (batch, n_heads, local_seq, head_dim), at `positions`, to k and v of the
     whole sequence (batch, n_kv_heads, seq, head_dim). No process group: the memory estimator runs
     it on fake tensors.
 
     Each of the rank's two query chunks attends only to the keys up to its own end, which is what
-    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p (and,
-    given the document `mask`, in its document)."""
+    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p."""
     chunk = q.shape[2] // 2
     outputs = []
-    for i, (q_chunk, q_positions, index) in enumerate(zip(
+    for q_chunk, q_positions, index in zip(
         q.split(chunk, dim=2), positions.split(chunk), (cp_rank, 2 * cp_size - 1 - cp_rank)
-    )):
+    ):
         end = (index + 1) * chunk  # the chunk's last position + 1: the keys it can see
-        if mask is None:
-            chunk_mask = q_positions[:, None] >= torch.arange(end, device=q.device)
-        else:
-            chunk_mask = mask[:, :, i * chunk:(i + 1) * chunk, :end]
+        chunk_mask = q_positions[:, None] >= torch.arange(end, device=q.device)
         outputs.append(
             F.scaled_dot_product_attention(
                 q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask, enable_gqa=q.shape[1] != k.shape[1]
@@ -168,42 +205,53 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
                        attend) -> torch.Tensor:
     """Ulysses: the attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the heads
     with the model's own kernel `attend(q, k, v, mask)` (its attention modules' `sdpa`: causal, fused, no
-    mask; or within documents, given the model's document mask of the whole sequence)."""
+    mask; or within documents, given `alltoall_documents`, which holds the model's mask of the whole sequence)."""
     cp_size = cp_mesh.size()
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    q, k, v = (zigzag_to_sequence_order(_heads_for_sequence(t, cp_mesh), cp_size) for t in (q, k, v))
-    out = attend(q, k, v, mask).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
+    q, k, v = (_heads_for_sequence(t, cp_mesh) for t in (q, k, v))  # in rank order
+    if mask is None:
+        q, k, v = (zigzag_to_sequence_order(t, cp_size) for t in (q, k, v))
+        out = attend(q, k, v).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
+    else:
+        shares = mask.shares.flatten(1)
+        q, k, v = (take(t, shares.argsort(dim=1), dim=2) for t in (q, k, v))
+        out = take(attend(q, k, v, mask.plan), shares, dim=2)
     return _sequence_for_heads(out, cp_mesh)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
-                           heads_per_rank: int | None = None) -> nn.Module:
-    """Make `model` (a whole Transformer or a pipeline stage) run on this rank's zigzag share of
-    each sequence: it reads the RoPE angles at this rank's positions, and every module with an
-    `sdpa` (the attention modules) attends through the `method`'s attention; allgather and ring replace the
-    model's `document_mask` builder too (ring's attention takes the document ids themselves).
-    `heads_per_rank`, the query heads of a rank after tensor parallelism, lets alltoall refuse at start-up what
-    it cannot split.
+                           heads_per_rank: int | None = None, document_masking: bool = False) -> nn.Module:
+    """Make `model` (a whole Transformer or a pipeline stage) run on this rank's share of each sequence
+    (zigzag, or by documents under `document_masking`: parallelisms/context_parallel_documents.py): its
+    `local_positions` give the positions whose RoPE angles it reads, its `document_mask` builder what the
+    attention needs of the documents, and every module with an `sdpa` (the attention modules) attends through
+    the `method`'s attention. `heads_per_rank`, the query heads of a rank after tensor parallelism, lets
+    alltoall refuse at start-up what it cannot split.
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
+    cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     if method == "alltoall" and heads_per_rank is not None:
-        check_heads_divide(heads_per_rank, cp_mesh.size())
-    positions = zigzag_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
-    model.positions = positions.to(cp_mesh.device_type)
-    if method == "allgather":
-        model.document_mask = partial(allgather_document_mask, positions=model.positions)
-    if method == "ring":
-        model.document_mask = ring_document_ids
+        check_heads_divide(heads_per_rank, cp_size)
+    zigzag = zigzag_positions(seq_len, cp_size, cp_rank).to(cp_mesh.device_type)
+    model.local_positions = partial(local_positions, zigzag=zigzag, cp_size=cp_size, cp_rank=cp_rank)
+    model.document_mask = {
+        "allgather": partial(allgather_documents, cp_size=cp_size, cp_rank=cp_rank),
+        "ring": partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank),
+        "alltoall": partial(alltoall_documents, cp_size=cp_size, whole_mask=model.document_mask),
+    }[method]
+    # Ring's point-to-point sends cannot be traced, nor can allgather's key ranges under document masking (values
+    # of the batch) without a recompile per batch: both run eagerly inside compiled blocks. Wrapped here, not where
+    # they are defined, so that only runs that use them import torch's compiler.
+    eager = method == "ring" or (method == "allgather" and document_masking)
     for module in model.modules():
         if hasattr(module, "sdpa"):
-            module.sdpa = {
-                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=model.positions),
-                # Eager inside compiled blocks (its sends cannot be traced); wrapped here, not where it is
-                # defined, so that only runs that use it import torch's compiler.
-                "ring": partial(torch.compiler.disable(ring_attention), cp_mesh=cp_mesh),
+            attention = {
+                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=zigzag),
+                "ring": partial(ring_attention, cp_mesh=cp_mesh),
                 "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
             }[method]
-            module.sdpa_breaks_graph = method == "ring"  # parallelisms/compile.py
+            module.sdpa = torch.compiler.disable(attention) if eager else attention
+            module.sdpa_breaks_graph = eager  # parallelisms/compile.py
     return model

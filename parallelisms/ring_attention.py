@@ -8,10 +8,13 @@ ever holds more than two blocks of keys and values, and no mask is built: agains
 is either the rank's own (causal), or one whose first chunk all of the rank's queries see (an earlier rank),
 or one that only the rank's second chunk sees, whole (a later rank).
 
-With document masking every rank has the document ids of the whole sequence (what the model's `document_mask`
-gives the attention under ring is those ids, `ring_document_ids`), and each block's mask, of that block's
-queries and keys only, is built from them as the block is attended: at or before the query, in its document. A
-query with no key of its document in a block takes nothing from it (its log-sum-exp there is -inf).
+With document masking each row's chunks go to the ranks by their documents (parallelisms/
+context_parallel_documents.py), every rank has the document ids of the whole sequence, and each block's mask,
+of that block's queries and keys only, is built from them as the block is attended: at or before the query, in
+its document. Each block is attended by chunk pairs (each of this rank's two query chunks against each of the
+block's two key chunks), and a pair that holds no key any of its queries sees, in any row, is skipped
+(`ring_documents` says which): with documents shorter than the sequence most are. A query with no key of its
+document in a pair takes nothing from it (its log-sum-exp there is -inf).
 
 The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
 its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
@@ -89,9 +92,11 @@ def _aligned(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def block_bias(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
     """(batch, 1, queries, keys): 0 where the query at q_positions may see the key at k_positions (at or before
-    it, in its document), -inf elsewhere. document_ids: (batch, seq), of the whole sequence."""
-    allowed = ((document_ids[:, q_positions, None] == document_ids[:, None, k_positions])
-               & (q_positions[:, None] >= k_positions[None, :]))
+    it, in its document), -inf elsewhere. document_ids: (batch, seq), of the whole sequence; positions (batch,
+    n) per row, or (n,) shared by the rows."""
+    q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
+    allowed = ((document_ids.gather(1, q_positions)[:, :, None] == document_ids.gather(1, k_positions)[:, None, :])
+               & (q_positions[:, :, None] >= k_positions[:, None, :]))
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
 
 
@@ -174,55 +179,62 @@ def _block_slices(owner: int, rank: int, chunk: int):
     return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
 
 
-def _block(q, document_ids, rank: int, owner: int, size: int):
-    """The block of `owner`'s keys and values this rank attends to: (query slice, key slice, causal, bias); the
-    bias (None without documents) masks by document and position."""
+def _blocks(q, documents, rank: int, owner: int):
+    """The parts of `owner`'s block of keys and values this rank attends to: [(query slice, key slice, causal,
+    bias, first)]; the bias (None without documents) masks by document and position; `first`: the first part of
+    these queries, in which each sees a key (itself). Under document masking, the chunk pairs `documents.plan`
+    keeps, the rank's own two chunks' diagonal pairs first."""
     chunk = q.shape[2] // 2
-    rows, keys, causal = _block_slices(owner, rank, chunk)
-    if document_ids is None:
-        return rows, keys, causal, None
-    from parallelisms.context_parallel import zigzag_positions  # here: that module imports this one
-
-    seq = document_ids.shape[1]
-    q_positions = zigzag_positions(seq, size, rank).to(q.device)[rows]
-    k_positions = zigzag_positions(seq, size, owner).to(q.device)[keys]
-    return rows, keys, False, block_bias(document_ids, q_positions, k_positions, q.dtype)
+    if documents is None:
+        return [(*_block_slices(owner, rank, chunk), None, owner == rank)]
+    plan, shares = documents.plan.tolist(), documents.shares
+    pairs = sorted(((a, b) for a in range(2) for b in range(2) if plan[a][owner][b]),
+                   key=lambda pair: pair[0] != pair[1])
+    parts = []
+    for a, b in pairs:
+        rows, keys = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
+        bias = block_bias(documents.document_ids, shares[:, rank, rows], shares[:, owner, keys], q.dtype)
+        parts.append((rows, keys, False, bias, owner == rank and a == b))
+    return parts
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, document_ids: torch.Tensor | None = None):
+    def forward(ctx, q, k, v, ring: Ring, documents=None):
         with _ring_blocks():
-            return RingAttention._forward(ctx, q, k, v, ring, document_ids)
+            return RingAttention._forward(ctx, q, k, v, ring, documents)
 
     @staticmethod
-    def _forward(ctx, q, k, v, ring: Ring, document_ids):
+    def _forward(ctx, q, k, v, ring: Ring, documents):
         rank, size = ring.rank, ring.size
         repeats = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v])
-        out = lse = None
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        aux = None
         for step in range(size):
             pending = ring.start(kv) if step < size - 1 else None
-            rows, keys, causal, bias = _block(q, document_ids, rank, (rank - step) % size, size)
-            block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
-            block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal, bias)
-            if out is None:  # the rank's own block, causal: every query sees a key in it. Copies, merged into
-                # in place below: selective activation checkpointing may keep the kernel's outputs themselves.
-                out, lse, aux = block_out.to(torch.float32, copy=True), block_lse.clone(), block_aux
-            else:
-                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
-                                                          block_out.float(), block_lse)
+            for rows, keys, causal, bias, first in _blocks(q, documents, rank, (rank - step) % size):
+                block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
+                block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal, bias)
+                aux = block_aux if aux is None else aux
+                if first:  # copied, and merged into in place later: selective activation checkpointing may keep
+                    # the kernel's outputs themselves
+                    out[:, :, rows], lse[:, :, rows] = block_out, block_lse
+                else:
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                              block_out.float(), block_lse)
             if pending is not None:
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, document_ids)
-        ctx.ring, ctx.aux = ring, aux
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.aux, ctx.documents = ring, aux, documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, document_ids = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, documents = ctx.ring, ctx.documents
         rank, size = ring.rank, ring.size
         repeats = q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
@@ -232,16 +244,19 @@ class RingAttention(torch.autograd.Function):
         pending_grad = None
         for step in range(size):
             pending_kv = ring.start(kv) if step < size - 1 else None
-            rows, keys, causal, bias = _block(q, document_ids, rank, (rank - step) % size, size)
-            block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
-            dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows].contiguous(), block_k, block_v,
-                                        out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, ctx.aux,
-                                        bias)
-            grad_q[:, :, rows] += dq
+            parts = []
+            for rows, keys, causal, bias, _ in _blocks(q, documents, rank, (rank - step) % size):
+                block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
+                dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows].contiguous(), block_k, block_v,
+                                            out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
+                                            ctx.aux, bias)
+                grad_q[:, :, rows] += dq
+                parts.append((keys, dk, dv))
             if pending_grad is not None:
                 grad_kv = ring.finish(pending_grad)
-            grad_kv[0][:, :, keys] += _sum_heads(dk, repeats)
-            grad_kv[1][:, :, keys] += _sum_heads(dv, repeats)
+            for keys, dk, dv in parts:
+                grad_kv[0][:, :, keys] += _sum_heads(dk, repeats)
+                grad_kv[1][:, :, keys] += _sum_heads(dv, repeats)
             pending_grad = ring.start(grad_kv, tag=1)  # after the last step, to the block's owner
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
@@ -249,19 +264,14 @@ class RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
-def ring_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
-    """The model's `document_mask` under ring: what each layer's attention is given is the document ids of the
-    whole sequence (batch, seq) themselves; each block builds its own mask from them."""
-    return document_ids
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, *,
                    cp_mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
-    zigzag shares; n_kv_heads may divide n_heads. With `document_ids` (batch, seq) of the whole sequence (given
-    as the attention modules' mask, `ring_document_ids`), within documents. Returns a tensor shaped like q.
+    zigzag shares; n_kv_heads may divide n_heads. Given `documents` (the attention modules' mask under document
+    masking, `ring_documents`: the shares are then by documents), within documents. Returns a tensor shaped
+    like q.
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), document_ids)
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), documents)

@@ -34,9 +34,9 @@ documented. What the runner changes, and why:
   trains 2 steps too, rather than finding nothing to do. A run sent to the background is not cut: it is
   the run the next command stops. The tools run fewer and shorter trainings (TOOL_CUTS): the benchmark
   its baseline case only, for 3 steps; autotune 4 candidates (batch 4 or 8, AC none or full, no compile)
-  of 2 steps; coord_check 2 steps. In the scratch copy, the sweep files (train_configs/sweeps/) keep the
-  first value of each grid key and their first [[runs]], of 2 steps each (tests/test_sweep.py runs the rest
-  of what a sweep does); the ladder files
+  of 2 steps; coord_check 2 steps; the CP attention benchmark 512 tokens at degrees 1 and 2. In the scratch
+  copy, the sweep files (train_configs/sweeps/) keep the first value of each grid key and their first
+  [[runs]], of 2 steps each (tests/test_sweep.py runs the rest of what a sweep does); the ladder files
   (train_configs/ladders/) keep their first 2 token budgets, a 32nd of each, with 2 warm-up steps and no
   bootstrap; both validate on 2 batches (losses this close to the initial ones give the resamples nothing to fit).
   Each command still starts its processes as documented: that, not the steps, is most of its time.
@@ -76,6 +76,7 @@ TOOL_CUTS = {
     "scripts.benchmark": "--steps 3 --warmup 1 --cases 'debug default'",
     "scripts.autotune": "--steps 2 --batch-sizes 4,8 --ac-modes none,full --compile off",
     "scripts.coord_check": "--steps 2",
+    "scripts.benchmark.cp_attention_memory": "--seq 512 --degrees 1 2",
 }
 CHECKPOINT = re.compile(r"([\w./-]+)/checkpoint/step-(\d+)")
 REFUSED, MAX_REFUSAL_LINES = 2, 15

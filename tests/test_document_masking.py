@@ -118,9 +118,9 @@ def test_without_rope_per_document_documents_see_shifted_positions_and_only_them
     for row, segments in enumerate(rows):
         for segment, where in segment_slices(segments):
             # The document alone, at the positions it holds in the window.
-            model.positions = torch.arange(where.start, where.stop)
+            model.local_positions = lambda document_ids, where=where: torch.arange(where.start, where.stop)
             shifted = model(segment[None])[0]
-            model.positions = None
+            model.local_positions = None
             torch.testing.assert_close(logits[row, where], shifted, atol=1e-5, rtol=1e-5)
             if where.start == 0:
                 torch.testing.assert_close(logits[row, where], model(segment[None])[0], atol=1e-5, rtol=1e-5)

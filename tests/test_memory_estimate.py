@@ -170,6 +170,16 @@ def test_parallel_layouts_shrink_what_they_split():
         assert est.total == sum(est.parts.values())
 
 
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
+def test_document_masking_under_context_parallelism_adds_its_masks_to_each_method(method):
+    base = ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2",
+            "--parallelism.context_parallel_method", method]
+    causal = estimate(*base, world_size=2)
+    documents = estimate(*base, "--training.document_masking", "true", world_size=2)
+    assert documents.saved_activations > causal.saved_activations and documents.total > causal.total
+    assert documents.total == sum(documents.parts.values())
+
+
 def test_cli_prints_the_breakdown(capsys):
     assert estimate_main(["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--target", "cuda",
                           "--training.mixed_precision_param", "bfloat16", "--world-size", "2"]) == 0

@@ -74,6 +74,10 @@ LAYOUTS = {  # name: (processes, arguments), data
                           "documents"),
     "cp4_alltoall": (layout(cp=4, extra=[*ALLTOALL]), "packed"),
     "cp2_ring_compile": (layout(cp=2, extra=[*RING, *COMPILE]), "hf"),
+    # allgather's attention under document masking runs eagerly inside compiled (here recomputed) blocks: its key
+    # ranges are values of the batch.
+    "cp2_compile_full_ac_documents": (layout(cp=2, extra=[*COMPILE, "--activation_checkpoint.mode", "full"]),
+                                      "documents"),
     "dp_shard2_tp2_pp2": (layout(dp_shard=2, tp=2, pp=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
                                                                   "2"]), "hf"),
     "dp_shard2_tp2_cpu_offload": (layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),

@@ -16,6 +16,7 @@ parallelized, so every method here works on plain tensors and on DTensors alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -212,8 +213,9 @@ class Transformer(nn.Module):
     Blocks live in a ModuleDict keyed by layer number so that a pipeline stage can drop the blocks
     it does not own and keep the others' names (and so its checkpoint keys) unchanged. A stage
     without `tok_embeddings` takes hidden states as input; one without `output` returns them.
-    `positions` (None: 0..seq-1) are the sequence positions of the tokens a forward sees, which
-    context parallelism sets to the positions of this rank's share of the sequence.
+    `local_positions` (None: 0..seq-1), which context parallelism sets, gives the sequence positions of the
+    tokens a forward sees, this rank's share of the sequence, from the document ids (None without document
+    masking): (seq,) shared by the rows, or (batch, seq).
 
     `document_ids` (batch, seq), the document number of every token of a packed window
     (components.data.documents.document_ids), turns on document masking: attention is causal
@@ -238,7 +240,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.positions: torch.Tensor | None = None
+        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
         self.document_mask = document_mask
 
     @torch.no_grad()
@@ -262,14 +264,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope if self.positions is None else self.rope[self.positions]
+        positions = None if self.local_positions is None else self.local_positions(document_ids)
+        rope = self.rope if positions is None else self.rope[positions]
         mask = None
         if document_ids is not None:  # of the whole sequence, also under context parallelism
             mask = self.document_mask(document_ids)  # built once here and shared by every layer
             if self.args.rope_per_document:
-                positions = document_positions(document_ids)
-                positions = positions if self.positions is None else positions[:, self.positions]
-                rope = self.rope[positions]  # (batch, seq, head_dim // 2, 2)
+                within = document_positions(document_ids)
+                within = within if positions is None else within.gather(1, positions)
+                rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
             h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h

@@ -96,7 +96,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
             enable_async_tensor_parallel(mesh["tp"])
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"], config.training.seq_len, config.parallelism.context_parallel_method,
-                               heads_per_rank=model.args.n_heads // dims.tp)
+                               heads_per_rank=model.args.n_heads // dims.tp,
+                               document_masking=config.training.document_masking)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
                                    config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
     if config.compile.enable:

@@ -3,13 +3,14 @@ attention, SwiGLU) with an RMSNorm over each head's queries and keys before RoPE
 size set on its own rather than dim / n_heads, plain RoPE with theta 1e6 and, in Qwen3-MoE, a
 mixture of experts (models/moe.py) as the feed-forward of the blocks `ModelArgs.is_moe_layer` picks.
 
-Document masking, the meta-device build, `positions` and `sdpa` work as in models/llama3/model.py
+Document masking, the meta-device build, `local_positions` and `sdpa` work as in models/llama3/model.py
 (see its docstrings); every method here works on plain tensors and on DTensors alike.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -181,7 +182,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.positions: torch.Tensor | None = None
+        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
         self.document_mask = document_mask
 
     @torch.no_grad()
@@ -205,14 +206,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope if self.positions is None else self.rope[self.positions]
+        positions = None if self.local_positions is None else self.local_positions(document_ids)
+        rope = self.rope if positions is None else self.rope[positions]
         mask = None
         if document_ids is not None:  # of the whole sequence, also under context parallelism
             mask = self.document_mask(document_ids)  # built once here and shared by every layer
             if self.args.rope_per_document:
-                positions = document_positions(document_ids)
-                positions = positions if self.positions is None else positions[:, self.positions]
-                rope = self.rope[positions]  # (batch, seq, head_dim // 2, 2)
+                within = document_positions(document_ids)
+                within = within if positions is None else within.gather(1, positions)
+                rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
             h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h

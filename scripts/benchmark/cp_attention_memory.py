@@ -2,13 +2,16 @@
 (parallelisms/context_parallel.py) on CPU over gloo:
 
     python -m scripts.benchmark.cp_attention_memory [--seq 16384] [--degrees 1 2 4] [--heads 8] [--kv-heads 2]
-        [--head-dim 64] [--batch 1]
+        [--head-dim 64] [--batch 1] [--documents MEAN]
 
 For each CP degree, that many processes (gloo, one thread each) hold their zigzag shares of random q, k, v of a
 `seq`-token sequence and run one forward and backward of the method's attention; each reports the growth of its
 resident memory over them (Linux's peak resident set, reset just before, minus what it held then: the attention's
-working memory, communication buffers, saved tensors and the gradients of q, k and v). The table shows the
-largest rank's. Degree 1 is plain causal attention (the fused kernel). Linux only (/proc).
+working memory, communication buffers, saved tensors and the gradients of q, k and v) and its seconds. The table
+shows the largest rank's memory and the slowest rank's seconds (the ranks wait for each other). Degree 1 is
+plain causal attention (the fused kernel). With `--documents MEAN`, under document masking: each row packed
+with documents of random lengths, MEAN tokens on average (seeded), the shares by documents; degree 1 is then
+the model's masked attention of the whole sequence. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -46,32 +49,46 @@ def measure(attention, q, k, v) -> tuple[int, float]:
     return peak, seconds
 
 
+def document_ids(shape: dict) -> torch.Tensor | None:
+    """(batch, seq): rows packed with documents of `shape["documents"]` tokens on average, or None."""
+    if not shape["documents"]:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    return (torch.rand(shape["batch"], shape["seq"], generator=generator) < 1 / shape["documents"]).long().cumsum(1)
+
+
 def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.attention import causal_attention
+    from models.attention import causal_attention, document_mask
     from parallelisms.context_parallel import (
         allgather_kv_attention,
         alltoall_attention,
         shard_sequence,
         zigzag_positions,
     )
+    from parallelisms.context_parallel_documents import allgather_documents, alltoall_documents, ring_documents
     from parallelisms.ring_attention import ring_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     seq, batch, head_dim = shape["seq"], shape["batch"], shape["head_dim"]
+    ids = document_ids(shape)
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (shard_sequence(torch.randn(batch, heads, seq, head_dim, generator=generator), mesh, dim=2)
-               for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
+    q, k, v = (shard_sequence(torch.randn(batch, heads, seq, head_dim, generator=generator), mesh, dim=2,
+                              document_ids=ids) for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
     methods = {"allgather": partial(allgather_kv_attention, cp_mesh=mesh, positions=zigzag_positions(seq, cp, rank)),
                "ring": partial(ring_attention, cp_mesh=mesh),
                "alltoall": partial(alltoall_attention, cp_mesh=mesh, attend=causal_attention)}
+    masks = {"allgather": partial(allgather_documents, cp_size=cp, cp_rank=rank),
+             "ring": partial(ring_documents, cp_size=cp, cp_rank=rank),
+             "alltoall": partial(alltoall_documents, cp_size=cp, whole_mask=document_mask)}
     lines = []
     for method in METHODS:
         dist.barrier()
-        peak, seconds = measure(methods[method], q, k, v)
+        mask = None if ids is None else masks[method](ids)  # what the model builds once per forward
+        peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask), q, k, v)
         lines.append(f"{method} {rank} {peak} {seconds}")
     Path(results, f"rank{rank}").write_text("\n".join(lines))
     dist.barrier()
@@ -79,12 +96,14 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
 
 
 def one_process(shape: dict) -> tuple[int, float]:
-    import torch.nn.functional as F
+    from models.attention import causal_attention, document_mask
 
     torch.set_num_threads(1)
     q, k, v = (torch.randn(shape["batch"], heads, shape["seq"], shape["head_dim"])
                for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
-    return measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v)
+    ids = document_ids(shape)
+    mask = None if ids is None else document_mask(ids)
+    return measure(partial(causal_attention, mask=mask), q, k, v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--documents", type=int, default=0, metavar="MEAN",
+                        help="document masking, documents of MEAN tokens on average (default: one causal sequence)")
     args = parser.parse_args(argv)
     shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-             "batch": args.batch}
+             "batch": args.batch, "documents": args.documents}
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the resident set at once
+    masking = f", documents of {args.documents} tokens on average" if args.documents else ", causal"
     print(f"attention of {args.batch} x {args.seq} tokens, {args.heads} query and {args.kv_heads} key/value heads "
-          f"of {args.head_dim}, float32, forward and backward; torch {torch.__version__}")
+          f"of {args.head_dim}{masking}, float32, forward and backward; torch {torch.__version__}")
     print("| method | CP degree | peak MiB (largest rank) | of CP 1 | seconds |")
     print("| --- | ---: | ---: | ---: | ---: |")
     baseline = None

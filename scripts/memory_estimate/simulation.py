@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from types import ModuleType
 
 import torch
@@ -19,11 +18,12 @@ from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import (
-    allgather_document_mask,
+    documents_attention,
     zigzag_attention,
     zigzag_positions,
     zigzag_to_sequence_order,
 )
+from parallelisms.context_parallel_documents import ShardedDocuments, allgather_documents, ring_documents, take
 from parallelisms.ring_attention import RingAttention
 
 
@@ -128,8 +128,11 @@ def context_parallel_attention(cp: int, local_seq: int, method: str):
     def allgather(q, k, v, mask=None):
         stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
         gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
+        if mask is not None:
+            k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=3, batch_dim=1)
+            return documents_attention(q, k, v, mask, 0)
         k, v = zigzag_to_sequence_order(gathered, cp)
-        return zigzag_attention(q, k, v, positions, cp, 0, mask)
+        return zigzag_attention(q, k, v, positions, cp, 0)
 
     def alltoall(q, k, v, mask=None):
         def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
@@ -137,15 +140,26 @@ def context_parallel_attention(cp: int, local_seq: int, method: str):
 
         if k.shape[1] % cp:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(*map(trade, (q, k, v)), attn_mask=mask,
+        out = torch.nn.functional.scaled_dot_product_attention(*map(trade, (q, k, v)),
+                                                               attn_mask=None if mask is None else mask.plan,
                                                                is_causal=mask is None,
                                                                enable_gqa=q.shape[1] != k.shape[1])
         return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
 
     def ring(q, k, v, mask=None):
-        return RingAttention.apply(q, k, v, LoopbackRing(cp))
+        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask)
 
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
+
+
+def one_document_plan(cp: int, local_seq: int, method: str) -> torch.Tensor | None:
+    """Rank 0's `ShardedDocuments.plan` under allgather or ring for rows of one document each, the most work
+    (alltoall's is the model's own mask: None). Real tensors, made before the fake mode: fake ones have no
+    values to plan by."""
+    if method == "alltoall":
+        return None
+    ids = torch.zeros(1, cp * local_seq, dtype=torch.long)
+    return {"allgather": allgather_documents, "ring": ring_documents}[method](ids, cp_size=cp, cp_rank=0).plan
 
 
 def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -193,6 +207,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
     k = blocks_to_simulate(n_blocks, ac_mode, ac_option) if simulate_blocks is None else min(simulate_blocks, n_blocks)
     stage_args = type(args)(**vars(args))
     stage_args.n_layers = k
+    plan = one_document_plan(cp, seq, cp_method) if cp > 1 and document_masking else None
     with FakeTensorMode():
         model = model_package.Transformer(stage_args)
         if not first:
@@ -207,9 +222,12 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                         converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
                         module._parameters[name] = converted[id(p)]
         if cp > 1:
-            attention, model.positions = context_parallel_attention(cp, seq, cp_method)
-            if cp_method == "allgather":
-                model.document_mask = partial(allgather_document_mask, positions=model.positions)
+            attention, positions = context_parallel_attention(cp, seq, cp_method)
+            shares = torch.stack([zigzag_positions(seq * cp, cp, rank) for rank in range(cp)])  # of one document
+            whole_mask = model.document_mask
+            model.local_positions = lambda ids: positions if ids is None else positions.expand(len(ids), -1)
+            model.document_mask = lambda ids: ShardedDocuments(ids, shares.expand(len(ids), -1, -1),
+                                                               whole_mask(ids) if plan is None else plan)
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention

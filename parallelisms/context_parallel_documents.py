@@ -1,0 +1,118 @@
+"""Context parallelism under document masking: which positions each rank takes, and what each method's attention
+is given so that it skips the keys no query of it needs.
+
+Under document masking a query sees the keys before it in its own document only. Each rank's queries come in
+two chunks of the 2*cp equal chunks of the sequence (as with zigzag), and a chunk's queries need no key before
+the start of its first query's document: the attention is given the keys from there to the chunk's end only
+(allgather), or skips the blocks of keys that hold none of them (ring). A chunk's work is then its length times
+that range, which depends on where the documents fall: zigzag, which balances causal work over one document,
+can leave a rank with half as much again as the others on packed documents. So the ranks take the chunks of
+each row by that work instead: the heaviest first, each to the rank with least work so far among those that
+hold fewer than two (for one document spanning the row, that is zigzag exactly).
+
+Every rank computes the same assignment from the row's document ids (each has the whole sequence's), and so
+does the model on each pipeline stage for the rows of its micro-batch: it is a function of each row alone.
+Without document masking every row is zigzag (parallelisms/context_parallel.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from components.data.documents import document_positions
+
+
+class ShardedDocuments(NamedTuple):
+    """What the model's `document_mask` builder gives each attention under context parallelism."""
+
+    document_ids: torch.Tensor
+    """(batch, seq), of the whole sequence."""
+    shares: torch.Tensor
+    """(batch, cp, local): the positions of every rank's share of each row, each rank's two chunks in order."""
+    plan: object
+    """What this rank's attention needs besides, by method: allgather the range of keys of each of its two query
+    chunks, (2, 2) [start, end); ring which blocks hold keys its queries see, (2 query chunks, cp owners, 2 key
+    chunks) booleans (both on the CPU); alltoall the model's own mask of the whole sequence."""
+
+
+def _chunk_facts(document_ids: torch.Tensor, chunks: int) -> tuple[list, list, list]:
+    """Per row and chunk, on the host: the start of its first token's document, its first token's document and
+    its last token's."""
+    size = document_ids.shape[1] // chunks
+    starts = torch.arange(0, document_ids.shape[1], size, device=document_ids.device)
+    facts = torch.stack([starts - document_positions(document_ids)[:, starts], document_ids[:, starts],
+                         document_ids[:, starts + size - 1]]).cpu()
+    return facts[0].tolist(), facts[1].tolist(), facts[2].tolist()
+
+
+def balanced_chunks(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """(batch, cp, 2) on the CPU: the two chunks (of 2*cp equal ones) each rank takes of each row, in order."""
+    chunks = 2 * cp_size
+    size = document_ids.shape[1] // chunks
+    assignment = []
+    for row in _chunk_facts(document_ids, chunks)[0]:
+        work = [size * ((chunk + 1) * size - start) for chunk, start in enumerate(row)]
+        loads, taken = [0] * cp_size, [[] for _ in range(cp_size)]
+        for chunk in sorted(range(chunks), key=lambda c: -work[c]):  # stable: equal work in sequence order
+            rank = min((r for r in range(cp_size) if len(taken[r]) < 2), key=lambda r: loads[r])
+            loads[rank] += work[chunk]
+            taken[rank].append(chunk)
+        assignment.append([sorted(share) for share in taken])
+    return torch.tensor(assignment)
+
+
+def share_positions(document_ids: torch.Tensor, cp_size: int, chunks: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, cp, local), on the ids' device: the positions each rank takes of each row (`balanced_chunks`)."""
+    chunks = balanced_chunks(document_ids, cp_size) if chunks is None else chunks
+    size = document_ids.shape[1] // (2 * cp_size)
+    return (chunks[..., None] * size + torch.arange(size)).flatten(2).to(document_ids.device)
+
+
+def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """(batch, local): this rank's positions of each row."""
+    return share_positions(document_ids, cp_size)[:, cp_rank]
+
+
+def allgather_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
+    """allgather's mask: each of this rank's query chunks sees the keys from the earliest start of its first
+    query's document (over the rows) to its latest end."""
+    chunks = balanced_chunks(document_ids, cp_size)
+    size = document_ids.shape[1] // (2 * cp_size)
+    doc_starts = _chunk_facts(document_ids, 2 * cp_size)[0]
+    mine = chunks[:, cp_rank].tolist()
+    ranges = [[min(doc_starts[row][share[j]] for row, share in enumerate(mine)),
+               max((share[j] + 1) * size for share in mine)] for j in range(2)]
+    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size, chunks), torch.tensor(ranges))
+
+
+def ring_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
+    """ring's mask: whether this rank's query chunk a sees any key of chunk b of owner o's block, in any row.
+    Documents are contiguous and in order, so a chunk of keys before the queries' chunk holds keys they see
+    exactly when its last key is in the document of their first query."""
+    chunks = balanced_chunks(document_ids, cp_size)
+    _, first_doc, last_doc = _chunk_facts(document_ids, 2 * cp_size)
+    def sees(row: int, query: int, key: int) -> bool:
+        return key == query or (key < query and last_doc[row][key] == first_doc[row][query])
+
+    rows = chunks.tolist()
+    blocks = [[[any(sees(row, share[cp_rank][a], share[owner][b]) for row, share in enumerate(rows))
+                for b in range(2)] for owner in range(cp_size)] for a in range(2)]
+    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size, chunks), torch.tensor(blocks))
+
+
+def alltoall_documents(document_ids: torch.Tensor, *, cp_size: int,
+                       whole_mask: Callable[[torch.Tensor], object]) -> ShardedDocuments:
+    """alltoall's mask: the model's own (`whole_mask`) of the whole sequence, which each rank attends whole for
+    its heads (so its work does not depend on the assignment)."""
+    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size), whole_mask(document_ids))
+
+
+def take(tensor: torch.Tensor, positions: torch.Tensor, dim: int, batch_dim: int = 0) -> torch.Tensor:
+    """`tensor` at `positions` (batch, n) along `dim`, each row of the batch (`batch_dim`) at its own."""
+    shape = [1] * tensor.dim()
+    shape[batch_dim], shape[dim] = positions.shape
+    sizes = list(tensor.shape)
+    sizes[dim] = positions.shape[1]
+    return tensor.gather(dim, positions.view(shape).expand(sizes))
