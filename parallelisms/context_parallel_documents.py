@@ -49,13 +49,16 @@ def _chunk_facts(document_ids: torch.Tensor, chunks: int) -> tuple[list, list, l
 
 def balanced_chunks(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
     """(batch, cp, 2) on the CPU: the two chunks (of 2*cp equal ones) each rank takes of each row, in order."""
-    chunks = 2 * cp_size
-    size = document_ids.shape[1] // chunks
+    return _assign(_chunk_facts(document_ids, 2 * cp_size)[0], cp_size, document_ids.shape[1] // (2 * cp_size))
+
+
+def _assign(doc_starts: list[list[int]], cp_size: int, size: int) -> torch.Tensor:
+    """balanced_chunks from each row's chunks' first documents' starts, chunks of `size`."""
     assignment = []
-    for row in _chunk_facts(document_ids, chunks)[0]:
+    for row in doc_starts:
         work = [size * ((chunk + 1) * size - start) for chunk, start in enumerate(row)]
         loads, taken = [0] * cp_size, [[] for _ in range(cp_size)]
-        for chunk in sorted(range(chunks), key=lambda c: -work[c]):  # stable: equal work in sequence order
+        for chunk in sorted(range(2 * cp_size), key=lambda c: -work[c]):  # stable: equal work in sequence order
             rank = min((r for r in range(cp_size) if len(taken[r]) < 2), key=lambda r: loads[r])
             loads[rank] += work[chunk]
             taken[rank].append(chunk)
@@ -78,9 +81,9 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> to
 def allgather_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
     """allgather's mask: each of this rank's query chunks sees the keys from the earliest start of its first
     query's document (over the rows) to its latest end."""
-    chunks = balanced_chunks(document_ids, cp_size)
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = _chunk_facts(document_ids, 2 * cp_size)[0]
+    chunks = _assign(doc_starts, cp_size, size)
     mine = chunks[:, cp_rank].tolist()
     ranges = [[min(doc_starts[row][share[j]] for row, share in enumerate(mine)),
                max((share[j] + 1) * size for share in mine)] for j in range(2)]
@@ -91,8 +94,9 @@ def ring_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) ->
     """ring's mask: whether this rank's query chunk a sees any key of chunk b of owner o's block, in any row.
     Documents are contiguous and in order, so a chunk of keys before the queries' chunk holds keys they see
     exactly when its last key is in the document of their first query."""
-    chunks = balanced_chunks(document_ids, cp_size)
-    _, first_doc, last_doc = _chunk_facts(document_ids, 2 * cp_size)
+    doc_starts, first_doc, last_doc = _chunk_facts(document_ids, 2 * cp_size)
+    chunks = _assign(doc_starts, cp_size, document_ids.shape[1] // (2 * cp_size))
+
     def sees(row: int, query: int, key: int) -> bool:
         return key == query or (key < query and last_doc[row][key] == first_doc[row][query])
 
