@@ -128,8 +128,15 @@ def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=(), bias: torc
         causal)[:3]
 
 
+def head_repeats(q: torch.Tensor, k: torch.Tensor, device_type: str) -> int:
+    """Grouped-query attention: how many times the kernels on `device_type` need each key/value head repeated.
+    The CPU flash kernel takes fewer key/value heads as they are (and returns their gradients so); CUDA's want
+    as many as q has."""
+    return 1 if device_type == "cpu" else q.shape[1] // k.shape[1]
+
+
 def _expand_heads(t: torch.Tensor, repeats: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head serves `repeats` query heads (SDPA's enable_gqa order)."""
+    """Each key/value head serving `repeats` query heads (SDPA's enable_gqa order)."""
     return t if repeats == 1 else t.repeat_interleave(repeats, dim=1)
 
 
@@ -137,10 +144,11 @@ def _sum_heads(grad: torch.Tensor, repeats: int) -> torch.Tensor:
     return grad if repeats == 1 else grad.unflatten(1, (-1, repeats)).sum(2)
 
 
-def merge(out, lse, block_out, block_lse):
-    """Two partial attentions of the same queries over disjoint keys, as one (float32)."""
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge a partial attention of the same queries over other keys into (out, lse), float32, in place."""
     merged = torch.logaddexp(lse, block_lse)
-    return out * (lse - merged).exp()[..., None] + block_out * (block_lse - merged).exp()[..., None], merged
+    out.mul_((lse - merged).exp_()[..., None]).add_(block_out.float() * (block_lse - merged).exp_()[..., None])
+    lse.copy_(merged)
 
 
 class Ring:
@@ -200,14 +208,14 @@ def _blocks(q, documents, rank: int, owner: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, documents=None):
+    def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1):
+        """`repeats`: how many times each key/value head is repeated for the kernels (`head_repeats`)."""
         with _ring_blocks():
-            return RingAttention._forward(ctx, q, k, v, ring, documents)
+            return RingAttention._forward(ctx, q, k, v, ring, documents, repeats)
 
     @staticmethod
-    def _forward(ctx, q, k, v, ring: Ring, documents):
+    def _forward(ctx, q, k, v, ring: Ring, documents, repeats: int):
         rank, size = ring.rank, ring.size
-        repeats = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v])
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -222,21 +230,19 @@ class RingAttention(torch.autograd.Function):
                     # the kernel's outputs themselves
                     out[:, :, rows], lse[:, :, rows] = block_out, block_lse
                 else:
-                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
-                                                              block_out.float(), block_lse)
+                    merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.aux, ctx.documents = ring, aux, documents
+        ctx.ring, ctx.aux, ctx.documents, ctx.repeats = ring, aux, documents, repeats
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, documents = ctx.ring, ctx.documents
+        ring, documents, repeats = ctx.ring, ctx.documents, ctx.repeats
         rank, size = ring.rank, ring.size
-        repeats = q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
         kv = torch.stack([k, v])
         grad_q = torch.zeros_like(q, dtype=torch.float32)
@@ -261,7 +267,7 @@ class RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, *,
@@ -274,4 +280,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), documents)
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), documents,
+                               head_repeats(q, k, q.device.type))

@@ -25,7 +25,7 @@ from parallelisms.context_parallel import (
     zigzag_positions,
 )
 from parallelisms.context_parallel_documents import allgather_documents, ring_documents, share_positions
-from parallelisms.ring_attention import block_backward, block_bias, block_forward, merge, ring_attention
+from parallelisms.ring_attention import block_backward, block_bias, block_forward, merge_into, ring_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -153,7 +153,8 @@ def ring_blocks_against_sdpa(device: str, dtype: torch.dtype, around=contextlib.
         (_, _, bias), (_, causal, own_bias) = blocks
         out, lse, aux = block_forward(rows, k[:, :, before], v[:, :, before], False, bias)
         out_own, lse_own, _ = block_forward(rows, k[:, :, own], v[:, :, own], causal, own_bias)
-        out, lse = merge(out.float(), lse, out_own.float(), lse_own)
+        out, lse = out.float(), lse.clone()
+        merge_into(out, lse, out_own, lse_own)
         out = out.to(dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (rows, k, v))
         for keys, causal, bias in blocks:

@@ -174,6 +174,7 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
                     model_package, args, batch=micro_batch, seq=layout.local_seq, dtype=compute, ac_mode=ac_mode,
                     ac_option=ac_option, n_blocks=kind[0], first=kind[1], last=kind[2], cp=dims.cp,
                     cp_method=p.context_parallel_method, document_masking=training.document_masking,
+                    target=target,
                 )
             in_flight = (micro_batches_in_flight(schedule, multi_stage, n_micro_batches, dims.pp, pp_rank, len(parts))
                          if dims.pp > 1 else 1)

@@ -24,7 +24,7 @@ from parallelisms.context_parallel import (
     zigzag_to_sequence_order,
 )
 from parallelisms.context_parallel_documents import ShardedDocuments, allgather_documents, ring_documents, take
-from parallelisms.ring_attention import RingAttention
+from parallelisms.ring_attention import RingAttention, head_repeats
 
 
 class StorageTracker(TorchDispatchMode):
@@ -119,10 +119,10 @@ class LoopbackRing:
         return pending
 
 
-def context_parallel_attention(cp: int, local_seq: int, method: str):
+def context_parallel_attention(cp: int, local_seq: int, method: str, target: str):
     """The attention of parallelisms/context_parallel.py (by `method`) on context-parallel rank 0, with its
     communication replaced by tensors of the sizes received (no process group is needed, and on fake tensors
-    only sizes matter)."""
+    only sizes matter), and ring's kernels of the `target` device."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
     def allgather(q, k, v, mask=None):
@@ -147,7 +147,7 @@ def context_parallel_attention(cp: int, local_seq: int, method: str):
         return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
 
     def ring(q, k, v, mask=None):
-        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask)
+        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask, head_repeats(q, k, target))
 
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
@@ -188,11 +188,11 @@ def blocks_to_simulate(n_blocks: int, ac_mode: str, ac_option: str) -> int:
 def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: int, dtype: torch.dtype,
                          ac_mode: str = "none", ac_option: str = "2", n_blocks: int | None = None,
                          first: bool = True, last: bool = True, cp: int = 1, cp_method: str = "allgather",
-                         document_masking: bool = False,
+                         document_masking: bool = False, target: str = "cpu",
                          simulate_blocks: int | None = None) -> Simulation:
     """Forward and backward of `batch` sequences of `seq` tokens through a stage of `n_blocks` blocks
     (default: the model's; with the embeddings if `first`, the norm, output and loss if `last`) on
-    fake tensors.
+    fake tensors, with the kernels of the `target` device where they differ in what they allocate (ring's).
 
     Only `simulate_blocks` blocks run (default: `blocks_to_simulate`); the others repeat the
     simulated ones, so their effect is added exactly: think of them as inserted after the first
@@ -222,7 +222,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                         converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
                         module._parameters[name] = converted[id(p)]
         if cp > 1:
-            attention, positions = context_parallel_attention(cp, seq, cp_method)
+            attention, positions = context_parallel_attention(cp, seq, cp_method, target)
             shares = torch.stack([zigzag_positions(seq * cp, cp, rank) for rank in range(cp)])  # of one document
             whole_mask = model.document_mask
             model.local_positions = lambda ids: positions if ids is None else positions.expand(len(ids), -1)
