@@ -17,6 +17,7 @@ the model's masked attention of the whole sequence. Linux only (/proc).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -60,6 +61,19 @@ def document_ids(shape: dict) -> torch.Tensor | None:
 def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
+    lines = _measure_methods(rank, cp, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), shape)
+    Path(results, f"rank{rank}").write_text("\n".join(lines))
+    # The tensors (and the collectives' work they hold) freed while gloo still runs: freed at interpreter exit
+    # instead, they sometimes abort the process (1 run in 10).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
+    """`method rank peak seconds` of each method on this rank."""
     from models.attention import causal_attention, document_mask
     from parallelisms.context_parallel import (
         allgather_kv_attention,
@@ -70,9 +84,6 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     from parallelisms.context_parallel_documents import allgather_documents, alltoall_documents, ring_documents
     from parallelisms.ring_attention import ring_attention
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
-    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     seq, batch, head_dim = shape["seq"], shape["batch"], shape["head_dim"]
     ids = document_ids(shape)
     generator = torch.Generator().manual_seed(0)
@@ -90,9 +101,7 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
         mask = None if ids is None else masks[method](ids)  # what the model builds once per forward
         peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask), q, k, v)
         lines.append(f"{method} {rank} {peak} {seconds}")
-    Path(results, f"rank{rank}").write_text("\n".join(lines))
-    dist.barrier()
-    dist.destroy_process_group()
+    return lines
 
 
 def one_process(shape: dict) -> tuple[int, float]:
