@@ -104,28 +104,26 @@ def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=(), bias: torc
     """The gradients of q, k, v for one block of `block_forward`, given the final output and log-sum-exp of
     these queries over every block (which is what makes the per-block gradients add up to the whole)."""
     if bias is not None and q.device.type != "cpu":
-        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
-        padded[..., : lse.shape[-1]] = lse
-        philox_seed, philox_offset = aux
-        return aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, _aligned(bias, q), out, padded, philox_seed, philox_offset, 0.0,
-            [True, True, True, False], False)[:3]
-    if q.device.type == "cpu":
-        if bias is not None:
-            return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, False,
-                                                                             attn_mask=bias)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+        return _efficient_backward(grad_out, q, k, v, _aligned(bias, q), out, lse, aux, False)
+    if q.device.type == "cpu":  # a bias comes with causal False
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                         attn_mask=bias)
     if q.dtype in (torch.float16, torch.bfloat16):
         cum_seq_q, cum_seq_k, philox_seed, philox_offset = aux
         return aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, q.shape[2], k.shape[2], 0.0, causal, philox_seed,
             philox_offset)
+    return _efficient_backward(grad_out, q, k, v, None, out, lse, aux, causal)
+
+
+def _efficient_backward(grad_out, q, k, v, bias, out, lse, aux, causal: bool):
+    """The memory-efficient kernel's backward (CUDA: float32, or under a bias), which takes the log-sum-exp padded
+    to 32 queries as its forward gave it."""
     padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
     padded[..., : lse.shape[-1]] = lse
     philox_seed, philox_offset = aux
     return aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, None, out, padded, philox_seed, philox_offset, 0.0, [True, True, True, False],
-        causal)[:3]
+        grad_out, q, k, v, bias, out, padded, philox_seed, philox_offset, 0.0, [True, True, True, False], causal)[:3]
 
 
 def head_repeats(q: torch.Tensor, k: torch.Tensor, device_type: str) -> int:
