@@ -16,6 +16,7 @@ Without document masking every row is zigzag (parallelisms/context_parallel.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,14 +38,25 @@ class ShardedDocuments(NamedTuple):
     chunks) booleans (both on the CPU); alltoall the model's own mask of the whole sequence."""
 
 
+_last_facts: tuple = (lambda: None, 0, None)
+"""(a weak reference to the ids, chunks, their facts): of the ids asked about last."""
+
+
 def _chunk_facts(document_ids: torch.Tensor, chunks: int) -> tuple[list, list, list]:
     """Per row and chunk, on the host: the start of its first token's document, its first token's document and
-    its last token's."""
+    its last token's. Copied from the device once per ids tensor: a forward asks for its positions and for its
+    mask of the same ids, and a batch's inputs and labels are shared out by the same ids."""
+    global _last_facts
+    ids, last_chunks, facts = _last_facts
+    if ids() is document_ids and last_chunks == chunks:
+        return facts
     size = document_ids.shape[1] // chunks
     starts = torch.arange(0, document_ids.shape[1], size, device=document_ids.device)
-    facts = torch.stack([starts - document_positions(document_ids)[:, starts], document_ids[:, starts],
-                         document_ids[:, starts + size - 1]]).cpu()
-    return facts[0].tolist(), facts[1].tolist(), facts[2].tolist()
+    stacked = torch.stack([starts - document_positions(document_ids)[:, starts], document_ids[:, starts],
+                           document_ids[:, starts + size - 1]]).cpu()
+    facts = stacked[0].tolist(), stacked[1].tolist(), stacked[2].tolist()
+    _last_facts = (weakref.ref(document_ids), chunks, facts)
+    return facts
 
 
 def balanced_chunks(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
