@@ -11,8 +11,9 @@ on every rank. Under document masking each row's chunks go to the ranks by its d
 
 allgather (what Llama 3 used for long context). Before attention every rank all-gathers the keys and
 values of the whole sequence (one all-gather per layer for both) and attends to them with its own
-queries through a plain `scaled_dot_product_attention` with a mask. Keys and values are small next to
-the activations (grouped-query attention has few KV heads), but every rank holds all of them. The
+queries through `scaled_dot_product_attention`, causal from the bottom right (`zigzag_masks`). Keys and
+values are small next to the activations (grouped-query attention has few KV heads), but every rank holds all
+of them. The
 backward of the all-gather is a reduce-scatter: every rank's queries used every rank's keys and values,
 so each rank's key/value gradient is the sum of all ranks' contributions to it.
 
@@ -36,8 +37,10 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from components.config import ConfigError
+from models.attention import masked_attention
 from parallelisms.context_parallel_documents import (
     ShardedDocuments,
     allgather_documents,
@@ -101,21 +104,19 @@ def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tens
     return torch.cat([first_half, second_half], dim=seq_dim).flatten(seq_dim, seq_dim + 1)
 
 
-def allgather_kv_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *, cp_mesh: DeviceMesh,
-    positions: torch.Tensor
-) -> torch.Tensor:
+def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardedDocuments | None = None,
+                           *, cp_mesh: DeviceMesh, masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
     """Causal attention of this rank's queries to the keys and values of the whole sequence, within
-    documents given a `mask` of `allgather_document_mask`.
+    documents given a `mask` of `allgather_documents` (else under the rank's `zigzag_masks`).
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
-    plain tensors holding the tokens at `positions` (this rank's `zigzag_positions`); n_kv_heads
-    may divide n_heads (grouped-query attention). Returns a tensor shaped like q."""
+    plain tensors holding this rank's share of the tokens; n_kv_heads may divide n_heads (grouped-query
+    attention). Returns a tensor shaped like q."""
     if mask is not None:
         return _allgather_documents_attention(q, k, v, mask, cp_mesh)
     gathered = _gather_shares(torch.stack([k, v]), cp_mesh)  # one all-gather for both
     k, v = zigzag_to_sequence_order(gathered, cp_mesh.size())
-    return zigzag_attention(q, k, v, positions, cp_mesh.size(), cp_mesh.get_local_rank())
+    return zigzag_attention(q, k, v, masks)
 
 
 def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh) -> torch.Tensor:
@@ -129,44 +130,43 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
                         cp_rank: int) -> torch.Tensor:
     """allgather's attention under document masking once the keys and values of the whole sequence are gathered:
     each of rank `cp_rank`'s two query chunks attends to the range of keys the mask's plan gives it
-    (`allgather_documents`), at or before each query, in its document. No process group: the memory estimator
-    runs it on fake tensors."""
+    (`allgather_documents`), at or before each query, in its document: under the plan's FlexAttention mask on
+    CUDA, a boolean one built here elsewhere. No process group: the memory estimator runs it on fake tensors."""
     chunk = q.shape[2] // 2
-    mine = documents.shares[:, cp_rank]
     outputs = []
-    for j, (start, end) in enumerate(documents.plan.tolist()):
-        q_positions = mine[:, j * chunk:(j + 1) * chunk]  # (batch, chunk)
-        keys = torch.arange(start, end, device=q.device)
-        allowed = ((documents.document_ids.gather(1, q_positions)[:, :, None]
-                    == documents.document_ids[:, None, start:end]) & (q_positions[:, :, None] >= keys))
-        outputs.append(F.scaled_dot_product_attention(
-            q[:, :, j * chunk:(j + 1) * chunk], k[:, :, start:end], v[:, :, start:end], attn_mask=allowed[:, None],
-            enable_gqa=q.shape[1] != k.shape[1]))
+    for j, (start, end, mask) in enumerate(documents.plan):
+        rows = slice(j * chunk, (j + 1) * chunk)
+        if mask is None:
+            queries, keys = documents.shares[:, cp_rank, rows], torch.arange(start, end, device=q.device)
+            ids = documents.document_ids
+            mask = ((ids.gather(1, queries)[:, :, None] == ids[:, None, start:end])
+                    & (queries[:, :, None] >= keys))[:, None]
+        outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask))
     return torch.cat(outputs, dim=2)
 
 
-def zigzag_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cp_size: int, cp_rank: int,
-) -> torch.Tensor:
-    """The causal attention of `allgather_kv_attention` once the keys and values are gathered: rank
-    `cp_rank`'s queries q (batch, n_heads, local_seq, head_dim), at `positions`, to k and v of the
-    whole sequence (batch, n_kv_heads, seq, head_dim). No process group: the memory estimator runs
-    it on fake tensors.
+def zigzag_masks(seq_len: int, cp_size: int, cp_rank: int) -> tuple[CausalBias, CausalBias]:
+    """The causal masks of rank `cp_rank`'s two zigzag query chunks against the keys up to each chunk's end: query
+    i of chunk c sees the keys up to c * chunk + i, causal aligned at the bottom right. `causal_lower_right` says
+    so without a mask: on CUDA SDPA runs the flash kernel on it (half precision); elsewhere torch builds the mask.
+    Made once, outside compiled code (a compiled graph cannot construct one, but takes one)."""
+    chunk = seq_len // (2 * cp_size)
+    return tuple(causal_lower_right(chunk, (index + 1) * chunk) for index in (cp_rank, 2 * cp_size - 1 - cp_rank))
 
-    Each of the rank's two query chunks attends only to the keys up to its own end, which is what
-    makes the zigzag split balance the work; a boolean mask lets position p see positions <= p."""
-    chunk = q.shape[2] // 2
+
+def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: tuple[CausalBias, CausalBias]
+                     ) -> torch.Tensor:
+    """The causal attention of `allgather_kv_attention` once the keys and values are gathered: this rank's zigzag
+    queries q (batch, n_heads, local_seq, head_dim) to k and v of the whole sequence (batch, n_kv_heads, seq,
+    head_dim), under the rank's `zigzag_masks`. No process group: the memory estimator runs it on fake tensors.
+
+    Each of the rank's two query chunks attends only to the keys up to its own end, which is what makes the
+    zigzag split balance the work."""
     outputs = []
-    for q_chunk, q_positions, index in zip(
-        q.split(chunk, dim=2), positions.split(chunk), (cp_rank, 2 * cp_size - 1 - cp_rank)
-    ):
-        end = (index + 1) * chunk  # the chunk's last position + 1: the keys it can see
-        chunk_mask = q_positions[:, None] >= torch.arange(end, device=q.device)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask, enable_gqa=q.shape[1] != k.shape[1]
-            )
-        )
+    for q_chunk, mask in zip(q.split(q.shape[2] // 2, dim=2), masks):
+        end = mask.seq_len_kv  # the chunk's last position + 1
+        outputs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                                      enable_gqa=q.shape[1] != k.shape[1]))
     return torch.cat(outputs, dim=2)
 
 
@@ -235,6 +235,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     if method == "alltoall" and heads_per_rank is not None:
         check_heads_divide(heads_per_rank, cp_size)
     zigzag = zigzag_positions(seq_len, cp_size, cp_rank).to(cp_mesh.device_type)
+    masks = zigzag_masks(seq_len, cp_size, cp_rank)
     model.local_positions = partial(local_positions, zigzag=zigzag, cp_size=cp_size, cp_rank=cp_rank)
     model.document_mask = {
         "allgather": partial(allgather_documents, cp_size=cp_size, cp_rank=cp_rank),
@@ -248,7 +249,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     for module in model.modules():
         if hasattr(module, "sdpa"):
             attention = {
-                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=zigzag),
+                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, masks=masks),
                 "ring": partial(ring_attention, cp_mesh=cp_mesh),
                 "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
             }[method]

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from components.data.documents import document_positions
+from models import attention
 
 
 class ShardedDocuments(NamedTuple):
@@ -33,9 +35,18 @@ class ShardedDocuments(NamedTuple):
     shares: torch.Tensor
     """(batch, cp, local): the positions of every rank's share of each row, each rank's two chunks in order."""
     plan: object
-    """What this rank's attention needs besides, by method: allgather the range of keys of each of its two query
-    chunks, (2, 2) [start, end); ring which blocks hold keys its queries see, (2 query chunks, cp owners, 2 key
-    chunks) booleans (both on the CPU); alltoall the model's own mask of the whole sequence."""
+    """What this rank's attention needs besides, by method: allgather a `KeyRange` for each of its two query
+    chunks; ring which blocks hold keys its queries see, (2 query chunks, cp owners, 2 key chunks) booleans on the
+    CPU; alltoall the model's own mask of the whole sequence."""
+
+
+class KeyRange(NamedTuple):
+    """allgather's plan for one of a rank's query chunks: the keys [start, end) its queries may see, and on CUDA
+    the FlexAttention mask of those queries against them (None elsewhere: the attention builds a boolean one)."""
+
+    start: int
+    end: int
+    block_mask: BlockMask | None = None
 
 
 _last_facts: tuple = (lambda: None, 0, None)
@@ -92,14 +103,35 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> to
 
 def allgather_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
     """allgather's mask: each of this rank's query chunks sees the keys from the earliest start of its first
-    query's document (over the rows) to its latest end."""
+    query's document (over the rows) to its latest end; on CUDA under a FlexAttention mask, built here once for
+    every layer."""
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = _chunk_facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
+    shares = share_positions(document_ids, cp_size, chunks)
     mine = chunks[:, cp_rank].tolist()
-    ranges = [[min(doc_starts[row][share[j]] for row, share in enumerate(mine)),
-               max((share[j] + 1) * size for share in mine)] for j in range(2)]
-    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size, chunks), torch.tensor(ranges))
+    flex = attention.use_flex_attention(document_ids.device)
+    plan = []
+    for j in range(2):
+        start = min(doc_starts[row][share[j]] for row, share in enumerate(mine))
+        end = max((share[j] + 1) * size for share in mine)
+        queries = shares[:, cp_rank, j * size:(j + 1) * size]
+        plan.append(KeyRange(start, end, chunk_block_mask(document_ids, queries, start, end) if flex else None))
+    return ShardedDocuments(document_ids, shares, plan)
+
+
+def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: int, end: int) -> BlockMask:
+    """FlexAttention's mask of the queries at positions `queries` (batch, n) against the keys [start, end): at or
+    before each query, in its document. Compiled on CUDA, as models/attention.py's `document_mask`."""
+    first_key = torch.tensor(start, device=document_ids.device)  # a tensor: a new start does not recompile
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        query, key = queries[b, q_idx], first_key + kv_idx
+        return (query >= key) & (document_ids[b, query] == document_ids[b, key])
+
+    return create_block_mask(same_document_causal, B=len(document_ids), H=None, Q_LEN=queries.shape[1],
+                             KV_LEN=end - start, device=document_ids.device,
+                             _compile=document_ids.device.type == "cuda")
 
 
 def ring_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:

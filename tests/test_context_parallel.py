@@ -4,6 +4,7 @@ gloo processes matching the full sequence on one process (outputs and gradients,
 import contextlib
 import copy
 import gc
+import warnings
 from functools import partial
 from types import SimpleNamespace
 
@@ -13,18 +14,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import components.data.documents
+from models import attention
 from models.attention import causal_attention, document_mask
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.context_parallel import (
     allgather_kv_attention,
     alltoall_attention,
     apply_context_parallel,
+    documents_attention,
     shard_sequence,
+    zigzag_attention,
+    zigzag_masks,
     zigzag_positions,
 )
-from parallelisms.context_parallel_documents import allgather_documents, ring_documents, share_positions
+from parallelisms.context_parallel_documents import allgather_documents, ring_documents, share_positions, take
 from parallelisms.ring_attention import block_backward, block_bias, block_forward, merge_into, ring_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -99,7 +105,7 @@ def test_the_plans_of_allgather_and_ring_keep_every_key_a_query_sees_and_ring_sk
         gather = allgather_documents(ids, cp_size=cp_size, cp_rank=rank)
         ring = ring_documents(ids, cp_size=cp_size, cp_rank=rank)
         mine = gather.shares[:, rank]
-        for a, (start, end) in enumerate(gather.plan.tolist()):
+        for a, (start, end, _) in enumerate(gather.plan):
             queries = mine[:, a * chunk:(a + 1) * chunk]
             seen = torch.stack([allowed[row, queries[row]] for row in range(len(ids))]).any(1).any(0)
             keys = seen.nonzero().flatten()
@@ -109,6 +115,53 @@ def test_the_plans_of_allgather_and_ring_keep_every_key_a_query_sees_and_ring_sk
                     theirs = ring.shares[:, owner, b * chunk:(b + 1) * chunk]
                     sees = any(allowed[row][queries[row]][:, theirs[row]].any() for row in range(len(ids)))
                     assert bool(ring.plan[a, owner, b]) == sees, (rank, a, owner, b)
+
+
+def allgather_documents_against_sdpa(device: str, dtype: torch.dtype, cp_rank: int
+                                     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """allgather's attention under document masking of rank `cp_rank`'s queries (CP 4, two rows of packed
+    documents) to the whole sequence, against the rows of SDPA under the model's whole boolean mask (fp32,
+    grouped-query): (name, allgather's, SDPA's) for the output, and for the gradients of q, k, v where the
+    inputs of `dtype` need them (not on CPU: torch 2.13's CPU FlexAttention has no backward)."""
+    ids = packed_rows(2, 64, mean_length=12).to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, probe = (torch.randn(2, 4, 64, 32, device=device, generator=generator) for _ in range(2))
+    k, v = (torch.randn(2, 2, 64, 32, device=device, generator=generator) for _ in range(2))
+    documents = allgather_documents(ids, cp_size=4, cp_rank=cp_rank)
+    positions = documents.shares[:, cp_rank]
+    grad = device != "cpu"
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    expected = take(F.scaled_dot_product_attention(*leaves, attn_mask=document_mask(ids, flex=False),
+                                                   enable_gqa=True), positions, dim=2)
+    mine = [t.detach().to(dtype).requires_grad_(grad) for t in (take(q, positions, dim=2), k, v)]
+    out = documents_attention(*mine, documents, cp_rank)
+    if not grad:
+        return [("output", out, expected)]
+    (expected * take(probe, positions, dim=2)).sum().backward()
+    (out.float() * take(probe, positions, dim=2)).sum().backward()
+    dq = take(leaves[0].grad, positions, dim=2)
+    return [("output", out, expected), ("dq", mine[0].grad, dq), ("dk", mine[1].grad, leaves[1].grad),
+            ("dv", mine[2].grad, leaves[2].grad)]
+
+
+def test_allgather_under_documents_takes_flex_masks_built_once_where_flex_runs_and_matches_boolean_ones(monkeypatch):
+    """On CUDA allgather's mask builder gives each query chunk a FlexAttention mask, built once for every layer;
+    the attention under them (forward: eager flex on CPU, as tests/test_document_masking.py) matches SDPA under the
+    model's whole mask, as do the boolean masks built per chunk elsewhere (every rank of CP 4)."""
+    for rank in range(4):
+        assert all(keys.block_mask is None for keys in allgather_documents(packed_rows(2, 64, 12), cp_size=4,
+                                                                          cp_rank=rank).plan)
+        for name, got, expected in allgather_documents_against_sdpa("cpu", torch.float32, rank):
+            torch.testing.assert_close(got, expected, **TOL, msg=f"boolean, rank {rank}: {name}")
+    monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
+    monkeypatch.setattr(attention, "compiled_flex_attention", flex_attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        for rank in range(4):
+            plan = allgather_documents(packed_rows(2, 64, 12), cp_size=4, cp_rank=rank).plan
+            assert all(isinstance(keys.block_mask, BlockMask) for keys in plan)
+            for name, got, expected in allgather_documents_against_sdpa("cpu", torch.float32, rank):
+                torch.testing.assert_close(got, expected, **TOL, msg=f"flex, rank {rank}: {name}")
 
 
 def test_alltoall_refuses_heads_that_the_degree_does_not_divide_naming_the_way_out():
@@ -171,6 +224,34 @@ def test_ring_blocks_merged_by_log_sum_exp_are_causal_attention_forward_and_back
         torch.testing.assert_close(got.float(), expected, **TOL, msg=name)
 
 
+def zigzag_attention_against_sdpa(device: str, dtype: torch.dtype, attend=zigzag_attention,
+                                  around=contextlib.nullcontext()) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """allgather's attention of one rank's queries (CP 4, rank 1: chunks 1 and 6 of 8) to the whole sequence under
+    `zigzag_masks` through `attend`, run inside the context manager `around`, against the rows of full causal
+    SDPA (fp32, grouped-query): (name, allgather's, SDPA's) for the output and the gradients of q, k, v."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, probe = (torch.randn(2, 4, 64, 32, device=device, generator=generator) for _ in range(2))
+    k, v = (torch.randn(2, 2, 64, 32, device=device, generator=generator) for _ in range(2))
+    positions = zigzag_positions(64, 4, 1).to(device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = causal_attention(*leaves)[:, :, positions]
+    (expected * probe[:, :, positions]).sum().backward()
+    mine = [t.detach().to(dtype).requires_grad_() for t in (q[:, :, positions], k, v)]
+    with around:
+        out = attend(*mine, zigzag_masks(64, 4, 1))
+        (out.float() * probe[:, :, positions]).sum().backward()
+    return [("output", out, expected), ("dq", mine[0].grad, leaves[0].grad[:, :, positions]),
+            ("dk", mine[1].grad, leaves[1].grad), ("dv", mine[2].grad, leaves[2].grad)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_allgather_attention_of_a_rank_s_zigzag_chunks_is_causal_attention_forward_and_backward(compiled):
+    """Bottom-right causal masks, no mask tensor of ours; compiled, one graph (the masks are made outside it)."""
+    attend = torch.compile(zigzag_attention, fullgraph=True) if compiled else zigzag_attention
+    for name, got, expected in zigzag_attention_against_sdpa("cpu", torch.float32, attend):
+        torch.testing.assert_close(got, expected, **TOL, msg=name)
+
+
 # --- Several gloo processes ------------------------------------------------------------------
 
 
@@ -219,13 +300,13 @@ def check_attention(cp_mesh) -> None:
     full_out = causal_attention(*full)
     (full_out * projection).sum().backward()
 
-    positions = zigzag_positions(16, cp_mesh.size(), cp_mesh.get_local_rank())
-    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, positions=positions),
+    masks = zigzag_masks(16, cp_mesh.size(), cp_mesh.get_local_rank())
+    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, masks=masks),
                "ring": partial(ring_attention, cp_mesh=cp_mesh),
                "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=causal_attention)}
-    for method, attention in methods.items():
+    for method, attend in methods.items():
         local = [shard_sequence(t, cp_mesh, dim=2).requires_grad_() for t in (q, k, v)]
-        out = attention(*local)
+        out = attend(*local)
         torch.testing.assert_close(out, shard_sequence(full_out.detach(), cp_mesh, dim=2), **TOL, msg=method)
         # Summed over the ranks these losses are the full one; the backward's communication adds the
         # other ranks' contributions to this rank's key and value gradients.

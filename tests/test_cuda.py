@@ -148,6 +148,34 @@ def test_ring_attention_blocks_use_fused_kernels_and_add_up_to_causal_attention(
     assert "softmax" not in kernels, kernels[:2000]
 
 
+def test_allgather_attention_runs_the_flash_kernel_on_zigzag_chunks_with_no_mask():
+    """parallelisms/context_parallel.py's zigzag_attention in bf16 (grouped-query), forward and backward: bottom-
+    right causal masks run the flash kernel (the profiler sees it, and no softmax), within bf16 rounding of SDPA."""
+    from test_context_parallel import zigzag_attention_against_sdpa
+    from torch.profiler import ProfilerActivity, profile
+
+    trace = profile(activities=[ProfilerActivity.CUDA])
+    for name, got, expected in zigzag_attention_against_sdpa("cuda", torch.bfloat16, around=trace):
+        assert got.dtype == torch.bfloat16 and relative_error(got, expected) < 2e-2, name
+    kernels = " ".join(event.key.lower() for event in trace.key_averages())
+    assert "flash" in kernels and "softmax" not in kernels, kernels[:2000]
+
+
+def test_allgather_attention_under_documents_runs_flex_attention_per_query_chunk():
+    """parallelisms/context_parallel.py's documents_attention in bf16 (grouped-query), forward and backward, on each
+    rank of CP 4: each query chunk under the FlexAttention mask its plan holds, within bf16 rounding of SDPA under
+    the model's whole boolean mask."""
+    from test_context_parallel import allgather_documents_against_sdpa, packed_rows
+
+    from parallelisms.context_parallel_documents import allgather_documents
+
+    plan = allgather_documents(packed_rows(2, 64, 12).cuda(), cp_size=4, cp_rank=0).plan
+    assert all(isinstance(keys.block_mask, BlockMask) for keys in plan)
+    for rank in range(4):
+        for name, got, expected in allgather_documents_against_sdpa("cuda", torch.bfloat16, rank):
+            assert got.dtype == torch.bfloat16 and relative_error(got, expected) < 3e-2, (rank, name)
+
+
 @pytest.mark.parametrize("method", ["ring", "alltoall"])
 def test_context_parallel_methods_on_two_gpus_match_one_gpu(tmp_path, method):
     """CP 2 by ring and by all-to-all trains the debug model with one GPU's losses up to bf16 rounding."""

@@ -180,6 +180,19 @@ def test_document_masking_under_context_parallelism_adds_its_masks_to_each_metho
     assert documents.total == sum(documents.parts.values())
 
 
+@pytest.mark.parametrize("documents", ["false", "true"], ids=["causal", "documents"])
+def test_allgather_on_cuda_is_estimated_without_the_masks_its_kernels_do_without(documents):
+    """On CUDA allgather's causal chunks run flash with no mask (half precision) and its document chunks
+    FlexAttention; the CPU builds boolean masks, which each layer saves for its backward."""
+    args = ["--training.seq_len", "256", "--parallelism.context_parallel_degree", "2", "--training.document_masking",
+            documents, "--training.mixed_precision_param", "bfloat16"]
+    cpu, cuda = (estimate(*args, world_size=2, target=target) for target in ("cpu", "cuda"))
+    assert cuda.saved_activations < cpu.saved_activations
+    alltoall = [estimate(*args, "--parallelism.context_parallel_method", "alltoall", world_size=2, target=target)
+                for target in ("cpu", "cuda")]
+    assert alltoall[0].saved_activations == alltoall[1].saved_activations  # its kernels allocate alike on both
+
+
 def test_cli_prints_the_breakdown(capsys):
     assert estimate_main(["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--target", "cuda",
                           "--training.mixed_precision_param", "bfloat16", "--world-size", "2"]) == 0

@@ -61,7 +61,8 @@ LAYOUTS = {  # name: (processes, arguments), data
                                          extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
                                   "packed"),
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
-    "cp2_dp_shard2": (layout(cp=2, dp_shard=2), "hf"),
+    # allgather's bottom-right causal masks (made outside the graph) inside compiled blocks.
+    "cp2_dp_shard2_compile": (layout(cp=2, dp_shard=2, extra=[*COMPILE]), "hf"),
     "cp2_tp2_documents": (layout(cp=2, tp=2), "documents"),
     # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
     # the ring's sends stay out of compiled blocks (refused with compiled checkpointed ones) and run again when a

@@ -79,7 +79,7 @@ def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
         allgather_kv_attention,
         alltoall_attention,
         shard_sequence,
-        zigzag_positions,
+        zigzag_masks,
     )
     from parallelisms.context_parallel_documents import allgather_documents, alltoall_documents, ring_documents
     from parallelisms.ring_attention import ring_attention
@@ -89,7 +89,7 @@ def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (shard_sequence(torch.randn(batch, heads, seq, head_dim, generator=generator), mesh, dim=2,
                               document_ids=ids) for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
-    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=mesh, positions=zigzag_positions(seq, cp, rank)),
+    methods = {"allgather": partial(allgather_kv_attention, cp_mesh=mesh, masks=zigzag_masks(seq, cp, rank)),
                "ring": partial(ring_attention, cp_mesh=mesh),
                "alltoall": partial(alltoall_attention, cp_mesh=mesh, attend=causal_attention)}
     masks = {"allgather": partial(allgather_documents, cp_size=cp, cp_rank=rank),

@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention.bias import causal_upper_left
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -20,6 +21,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import (
     documents_attention,
     zigzag_attention,
+    zigzag_masks,
     zigzag_positions,
     zigzag_to_sequence_order,
 )
@@ -119,10 +121,10 @@ class LoopbackRing:
         return pending
 
 
-def context_parallel_attention(cp: int, local_seq: int, method: str, target: str):
+def context_parallel_attention(cp: int, local_seq: int, method: str, target: str, masks):
     """The attention of parallelisms/context_parallel.py (by `method`) on context-parallel rank 0, with its
     communication replaced by tensors of the sizes received (no process group is needed, and on fake tensors
-    only sizes matter), and ring's kernels of the `target` device."""
+    only sizes matter), and ring's kernels of the `target` device. `masks`: `allgather_masks`."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
     def allgather(q, k, v, mask=None):
@@ -132,7 +134,7 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
             k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=3, batch_dim=1)
             return documents_attention(q, k, v, mask, 0)
         k, v = zigzag_to_sequence_order(gathered, cp)
-        return zigzag_attention(q, k, v, positions, cp, 0)
+        return zigzag_attention(q, k, v, masks)
 
     def alltoall(q, k, v, mask=None):
         def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
@@ -152,14 +154,27 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
 
-def one_document_plan(cp: int, local_seq: int, method: str) -> torch.Tensor | None:
+def one_document_plan(cp: int, local_seq: int, method: str, target: str):
     """Rank 0's `ShardedDocuments.plan` under allgather or ring for rows of one document each, the most work
     (alltoall's is the model's own mask: None). Real tensors, made before the fake mode: fake ones have no
-    values to plan by."""
+    values to plan by. Where allgather runs FlexAttention (CUDA), each chunk's mask is a stand-in of its sizes
+    that SDPA runs with no mask (on fake tensors only sizes matter): the CPU builds a boolean one instead."""
     if method == "alltoall":
         return None
     ids = torch.zeros(1, cp * local_seq, dtype=torch.long)
-    return {"allgather": allgather_documents, "ring": ring_documents}[method](ids, cp_size=cp, cp_rank=0).plan
+    plan = {"allgather": allgather_documents, "ring": ring_documents}[method](ids, cp_size=cp, cp_rank=0).plan
+    if method == "allgather" and target == "cuda":
+        return [keys._replace(block_mask=causal_upper_left(local_seq // 2, keys.end - keys.start)) for keys in plan]
+    return plan
+
+
+def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
+    """Rank 0's `zigzag_masks`, made before the fake mode (which cannot construct them); where the flash kernel
+    runs them with no mask (CUDA, half precision), stand-ins of their sizes that SDPA runs with none either."""
+    masks = zigzag_masks(local_seq * cp, cp, 0)
+    if target == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return tuple(causal_upper_left(mask.seq_len_q, mask.seq_len_kv) for mask in masks)
+    return masks
 
 
 def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -192,7 +207,8 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                          simulate_blocks: int | None = None) -> Simulation:
     """Forward and backward of `batch` sequences of `seq` tokens through a stage of `n_blocks` blocks
     (default: the model's; with the embeddings if `first`, the norm, output and loss if `last`) on
-    fake tensors, with the kernels of the `target` device where they differ in what they allocate (ring's).
+    fake tensors, with the kernels of the `target` device where they differ in what they allocate (ring's,
+    allgather's).
 
     Only `simulate_blocks` blocks run (default: `blocks_to_simulate`); the others repeat the
     simulated ones, so their effect is added exactly: think of them as inserted after the first
@@ -207,7 +223,8 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
     k = blocks_to_simulate(n_blocks, ac_mode, ac_option) if simulate_blocks is None else min(simulate_blocks, n_blocks)
     stage_args = type(args)(**vars(args))
     stage_args.n_layers = k
-    plan = one_document_plan(cp, seq, cp_method) if cp > 1 and document_masking else None
+    plan = one_document_plan(cp, seq, cp_method, target) if cp > 1 and document_masking else None
+    masks = allgather_masks(cp, seq, target, dtype) if cp > 1 else None
     with FakeTensorMode():
         model = model_package.Transformer(stage_args)
         if not first:
@@ -222,7 +239,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                         converted.setdefault(id(p), torch.nn.Parameter(p.detach().to(dtype)))
                         module._parameters[name] = converted[id(p)]
         if cp > 1:
-            attention, positions = context_parallel_attention(cp, seq, cp_method, target)
+            attention, positions = context_parallel_attention(cp, seq, cp_method, target, masks)
             shares = torch.stack([zigzag_positions(seq * cp, cp, rank) for rank in range(cp)])  # of one document
             whole_mask = model.document_mask
             model.local_positions = lambda ids: positions if ids is None else positions.expand(len(ids), -1)
