@@ -13,9 +13,8 @@ allgather (what Llama 3 used for long context). Before attention every rank all-
 values of the whole sequence (one all-gather per layer for both) and attends to them with its own
 queries through `scaled_dot_product_attention`, causal from the bottom right (`zigzag_masks`). Keys and
 values are small next to the activations (grouped-query attention has few KV heads), but every rank holds all
-of them. The
-backward of the all-gather is a reduce-scatter: every rank's queries used every rank's keys and values,
-so each rank's key/value gradient is the sum of all ranks' contributions to it.
+of them. The backward of the all-gather is a reduce-scatter: every rank's queries used every rank's keys and
+values, so each rank's key/value gradient is the sum of all ranks' contributions to it.
 
 ring: keys and values travel around the ranks, a block at a time (parallelisms/ring_attention.py).
 

@@ -176,16 +176,18 @@ def test_allgather_attention_under_documents_runs_flex_attention_per_query_chunk
             assert got.dtype == torch.bfloat16 and relative_error(got, expected) < 3e-2, (rank, name)
 
 
-@pytest.mark.parametrize("method", ["ring", "alltoall"])
-def test_context_parallel_methods_on_two_gpus_match_one_gpu(tmp_path, method):
-    """CP 2 by ring and by all-to-all trains the debug model with one GPU's losses up to bf16 rounding."""
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
+def test_context_parallel_methods_on_two_gpus_match_one_gpu(run, tmp_path, method, documents):
+    """CP 2 by each method trains the debug model with one GPU's losses up to bf16 rounding, causal (flash
+    kernels) and within documents (FlexAttention, ring's memory-efficient kernel under its blocks' masks)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"context parallelism needs 2 GPUs; this machine has {torch.cuda.device_count()}")
-    one = train(tmp_path / "one")
-    cp2 = train(tmp_path / method, "--parallelism.context_parallel_degree", "2",
+    masking = DOCUMENT_MASKING if documents else ()
+    cp2 = train(tmp_path / method, *masking, "--parallelism.context_parallel_degree", "2",
                 "--parallelism.context_parallel_method", method, nproc=2)
     assert_trains(cp2)
-    assert_same_curve(cp2, one, BF16_NOISE)
+    assert_same_curve(cp2, run(*masking), BF16_NOISE)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -145,13 +145,15 @@ print("gradient", x.grad.abs().sum().item())
 def test_compiled_tensor_parallel_blocks_that_recompute_attention_keep_its_outputs_on_cpu():
     """torch's compiler, on CPU, saves the generator state of the recomputed attention after DTensor's mesh and
     backward takes the mesh for a tensor (parallelisms/activation_checkpoint.py). Attention draws nothing in these
-    models (no dropout): keeping its outputs avoids the bug and gives the same gradient. When this test fails on
-    its first assertion, torch has fixed the bug and the workaround can go."""
+    models (no dropout): keeping its outputs avoids the bug and gives the same gradient. torch 2.11.0+cu130 (run
+    on a CPU) does not have the bug, 2.13.0+cpu does: when this test fails on its first assertion on the newest
+    torch, torch has fixed it and the workaround can go."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     runs = {how: subprocess.run([sys.executable, "-c", RECOMPUTED_ATTENTION, how], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=300) for how in ("plain", "ours")}
-    assert runs["plain"].returncode != 0 and "expected all tensors_saved_with_vc_check to be Tensors" in \
-        runs["plain"].stderr
+    if torch.__version__ >= "2.13":
+        assert runs["plain"].returncode != 0 and "expected all tensors_saved_with_vc_check to be Tensors" in \
+            runs["plain"].stderr
     assert runs["ours"].returncode == 0, runs["ours"].stderr[-3000:]
     assert "gradient" in runs["ours"].stdout
 

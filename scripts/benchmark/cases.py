@@ -24,7 +24,8 @@ class Case:
     flags: tuple[str, ...] = ()
     """train.py flags: the model, then the technique."""
     all_devices: bool = False
-    """FSDP over the local devices: torchrun, one process per GPU (2 processes over gloo on a CPU)."""
+    """Spread over the local devices by FSDP (and context parallelism where the flags ask for it): torchrun, one
+    process per GPU (2 processes over gloo on a CPU)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,19 @@ def model_cases(model: str, flags: tuple[str, ...], techniques: list[str], longe
                                                              "--training.local_batch_size", str(batch))))
     if fsdp:
         cases.append(Case(f"{model} FSDP", flags, all_devices=True))
+    return cases
+
+
+def long_context_cases(model: str, flags: tuple[str, ...], seq_len: int) -> list[Case]:
+    """One sequence of `seq_len` tokens per step: on one device with full AC, causal and within documents
+    (FlexAttention on CUDA); and split over the local devices by each context-parallel method at degree 2."""
+    flags = flags + ("--training.seq_len", str(seq_len), "--training.local_batch_size", "1")
+    ac = TECHNIQUES["AC full"]
+    cases = [Case(f"{model} seq {seq_len} AC full", flags + ac),
+             Case(f"{model} seq {seq_len} AC full + document masking", flags + ac + TECHNIQUES["document masking"])]
+    cases += [Case(f"{model} seq {seq_len} CP 2 {method}", flags + ("--parallelism.context_parallel_degree", "2",
+                                                                    "--parallelism.context_parallel_method", method),
+                   all_devices=True) for method in ("allgather", "ring", "alltoall")]
     return cases
 
 
@@ -77,6 +91,7 @@ PRESETS = {
     ),
     "h100": Preset(
         tuple(model_cases("1B", LLAMA_1B, ALL_TECHNIQUES, longer_seq=(8192, 1))
+              + long_context_cases("1B", LLAMA_1B, 32768)
               + model_cases("8B-4-layers", LLAMA_8B_4_LAYERS, FEWER_TECHNIQUES, fsdp=False)),
         steps=20, warmup=5, needs_gpu=True,
     ),

@@ -93,7 +93,7 @@ def skip_reason(case: Case, config: Config) -> str | None:
             major, minor = torch.cuda.get_device_capability()
             return f"float8 matmuls need SM 8.9 or newer; this GPU is SM {major}.{minor}"
     if case.all_devices and process_count(case) < 2:
-        return f"FSDP over the local GPUs needs 2 or more; {process_count(case)} visible"
+        return f"spreading over the local GPUs needs 2 or more; {process_count(case)} visible"
     return None
 
 

@@ -168,6 +168,13 @@ def one_document_plan(cp: int, local_seq: int, method: str, target: str):
     return plan
 
 
+def flex_mask_stand_in(seq_len: int, target: str):
+    """The model's document mask of the whole sequence where the target runs FlexAttention (CUDA): a stand-in of
+    its sizes that SDPA runs with no mask, made before the fake mode. None elsewhere: the model's own builder makes
+    the dense boolean mask that the CPU attends under."""
+    return causal_upper_left(seq_len, seq_len) if target == "cuda" else None
+
+
 def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
     """Rank 0's `zigzag_masks`, made before the fake mode (which cannot construct them); where the flash kernel
     runs them with no mask (CUDA, half precision), stand-ins of their sizes that SDPA runs with none either."""
@@ -225,8 +232,11 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
     stage_args.n_layers = k
     plan = one_document_plan(cp, seq, cp_method, target) if cp > 1 and document_masking else None
     masks = allgather_masks(cp, seq, target, dtype) if cp > 1 else None
+    flex_mask = flex_mask_stand_in(seq * cp, target)
     with FakeTensorMode():
         model = model_package.Transformer(stage_args)
+        if flex_mask is not None:
+            model.document_mask = lambda ids: flex_mask
         if not first:
             model.tok_embeddings = None
         if not last:
