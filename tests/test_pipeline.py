@@ -146,6 +146,18 @@ def test_split_for_pipeline_refuses_tied_embeddings():
         split_for_pipeline(model, fake_mesh(2, 0), make_config("1F1B"))
 
 
+def test_the_inputs_and_labels_cut_from_a_batch_reach_the_pipeline_contiguous():
+    """torch 2.11's pipeline stages compare the strides of their inputs with those they recorded: a resumed
+    `--parallelism.pipeline_parallel_degree 2` run failed there with "stride mismatch: expected (256, 1) actual
+    (257, 1)" on views of the (batch, seq + 1) windows."""
+    from components.model_on_rank import prepare_batch
+
+    batch = torch.arange(18).view(2, 9)
+    inputs, labels, documents = prepare_batch(batch, torch.device("cpu"), None, None)
+    assert inputs.is_contiguous() and labels.is_contiguous() and documents is None
+    assert torch.equal(inputs, batch[:, :-1]) and torch.equal(labels, batch[:, 1:])
+
+
 def test_local_batch_must_be_a_multiple_of_the_microbatch():
     expected = r"training\.local_batch_size 8 must be a multiple of parallelism\.pipeline_parallel_microbatch_size 3"
     with pytest.raises(ConfigError, match=expected):
