@@ -61,10 +61,8 @@ def prepare_batch(
     windows; under context parallelism (a cp_mesh), its share of the sequence (by documents under document
     masking), the ids still of the whole sequence. The labels are the windows' next tokens unless given."""
     batch = batch.to(device, non_blocking=True)
-    # Contiguous: torch 2.11's pipeline stages compare the strides of their inputs with those they recorded, which
-    # a validation batch of another stride would fail.
-    inputs = batch[:, :-1].contiguous()
-    labels = batch[:, 1:].contiguous() if labels is None else labels.to(device, non_blocking=True)
+    inputs = batch[:, :-1]
+    labels = batch[:, 1:] if labels is None else labels.to(device, non_blocking=True)
     documents = document_ids(inputs, eos_id) if eos_id is not None else None
     if cp_mesh is not None:
         inputs, labels = (shard_sequence(t, cp_mesh, document_ids=documents) for t in (inputs, labels))

@@ -256,6 +256,11 @@ class Pipeline:
     """Whether the next training step starts with torch's shape inference: its first, and the first after a
     forward-only one (evaluation, validation)."""
 
+    def _first_stage_inputs(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """[inputs] on the first stage, contiguous: torch 2.11's stages compare the strides of their inputs with
+        those they recorded (a resumed run failed on views of the (batch, seq + 1) windows)."""
+        return [inputs.contiguous()] if self.has_first_stage else []
+
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
             documents: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Forward (and with `train`, backward) every micro-batch of one batch through the pipeline.
@@ -263,7 +268,7 @@ class Pipeline:
         (their sum is this batch's share of the step's mean loss); other stages get an empty list.
         `documents`, the batch's document ids under document masking, reach every stage (torch's schedules
         cut keyword arguments into micro-batches and give them to each stage's forward)."""
-        stage_inputs = [inputs] if self.has_first_stage else []
+        stage_inputs = self._first_stage_inputs(inputs)
         target = labels if self.has_last_stage else None
         losses = [] if self.has_last_stage else None
         kwargs = {} if documents is None else {"document_ids": documents}
@@ -286,7 +291,7 @@ class Pipeline:
               documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward only, with `score_fn(logits, labels)` of each micro-batch in place of the loss:
         their concatenation on the last stage, None elsewhere."""
-        stage_inputs = [inputs] if self.has_first_stage else []
+        stage_inputs = self._first_stage_inputs(inputs)
         scores = [] if self.has_last_stage else None
         kwargs = {} if documents is None else {"document_ids": documents}
         # The schedule's loss function is fixed at construction; torch has no public way to run it

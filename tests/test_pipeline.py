@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from components.config import Config, ConfigError
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.pipeline import (
+    Pipeline,
     build_pipeline,
     check_microbatches,
     is_multi_stage,
@@ -146,16 +147,19 @@ def test_split_for_pipeline_refuses_tied_embeddings():
         split_for_pipeline(model, fake_mesh(2, 0), make_config("1F1B"))
 
 
-def test_the_inputs_and_labels_cut_from_a_batch_reach_the_pipeline_contiguous():
+def test_the_first_stage_is_given_contiguous_inputs():
     """torch 2.11's pipeline stages compare the strides of their inputs with those they recorded: a resumed
     `--parallelism.pipeline_parallel_degree 2` run failed there with "stride mismatch: expected (256, 1) actual
     (257, 1)" on views of the (batch, seq + 1) windows."""
-    from components.model_on_rank import prepare_batch
-
-    batch = torch.arange(18).view(2, 9)
-    inputs, labels, documents = prepare_batch(batch, torch.device("cpu"), None, None)
-    assert inputs.is_contiguous() and labels.is_contiguous() and documents is None
-    assert torch.equal(inputs, batch[:, :-1]) and torch.equal(labels, batch[:, 1:])
+    given = []
+    schedule = SimpleNamespace(step=lambda *inputs, **kwargs: given.extend(inputs),
+                               eval=lambda *inputs, **kwargs: given.extend(inputs), _loss_fn=None)
+    pipeline = Pipeline(schedule, has_first_stage=True, has_last_stage=False, n_microbatches=1, parts=[])
+    windows = torch.arange(18).view(2, 9)
+    pipeline.run(windows[:, :-1], windows[:, 1:], train=True)
+    pipeline.run(windows[:, :-1], windows[:, 1:], train=False)
+    pipeline.score(windows[:, :-1], windows[:, 1:], score_fn=None)
+    assert len(given) == 3 and all(t.is_contiguous() and torch.equal(t, windows[:, :-1]) for t in given)
 
 
 def test_local_batch_must_be_a_multiple_of_the_microbatch():
