@@ -2,6 +2,8 @@
 losses and bias, and expert parallelism on 2 and 4 gloo processes matching one process (outputs
 and gradients, fp32)."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -132,27 +134,34 @@ def _worker(rank: int, world: int, store_path: str, args: dict) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        whole = tiny_moe(**args)
-        sharded = tiny_moe(**args)
-        apply_expert_parallel(sharded, ep_mesh)
-        torch.manual_seed(100)
-        inputs = [torch.randn(2, 7, DIM) for _ in range(world)]
-        # Rank r routes its own tokens; the reference runs everyone's through the whole layer.
-        out = sharded(inputs[rank])
-        (out.square().sum()).backward()
-        torch.testing.assert_close(out, whole(inputs[rank]), **TOL)
-        sum(whole(x).square().sum() for x in inputs).backward()
-        for name, p in sharded.named_parameters():
-            grad = p.grad
-            if isinstance(grad, DTensor):
-                grad = grad.full_tensor()  # every rank's experts, gradients summed by the all-to-all
-            else:  # the router and shared experts: each rank has its own tokens' share
-                dist.all_reduce(grad)
-            torch.testing.assert_close(grad, dict(whole.named_parameters())[name].grad, **TOL, msg=name)
+        _check_expert_parallel(rank, world, args)
+        # The check's tensors (and the collectives' work they hold) freed while gloo still runs: freed after the
+        # group is torn down, they sometimes abort the process ("terminate called without an active exception").
+        gc.collect()
         dist.barrier()  # no rank tears its group down while another still talks to it (gloo aborts then)
     finally:
         dist.destroy_process_group()
+
+
+def _check_expert_parallel(rank: int, world: int, args: dict) -> None:
+    ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = tiny_moe(**args)
+    sharded = tiny_moe(**args)
+    apply_expert_parallel(sharded, ep_mesh)
+    torch.manual_seed(100)
+    inputs = [torch.randn(2, 7, DIM) for _ in range(world)]
+    # Rank r routes its own tokens; the reference runs everyone's through the whole layer.
+    out = sharded(inputs[rank])
+    (out.square().sum()).backward()
+    torch.testing.assert_close(out, whole(inputs[rank]), **TOL)
+    sum(whole(x).square().sum() for x in inputs).backward()
+    for name, p in sharded.named_parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()  # every rank's experts, gradients summed by the all-to-all
+        else:  # the router and shared experts: each rank has its own tokens' share
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, dict(whole.named_parameters())[name].grad, **TOL, msg=name)
 
 
 @pytest.mark.slow
