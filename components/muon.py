@@ -67,7 +67,10 @@ def orthogonalise(update: torch.Tensor, param: torch.Tensor, steps: int, dtype: 
     mesh, placements = param.device_mesh, param.placements
     # The collective runs on the mesh's device: with FSDP's CPU offload the update is in host memory.
     shard = update.to(mesh.device_type, dtype)
+    # Contiguous: the gathered tensor's layout depends on the placements (and the torch release), and a matmul's
+    # rounding on the layout; orthogonalised from the same layout, the result is the whole matrix's bit for bit.
     whole = DTensor.from_local(shard, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
+    whole = whole.contiguous()
     mine = distribute_tensor(newton_schulz(whole, steps), mesh, placements, src_data_rank=None).to_local()
     return mine.to(update.device)
 
