@@ -215,14 +215,27 @@ def by_mesh(params) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Gradients still Partial (a sum over ranks not yet taken: those of the tensor-parallel QK-norm weights,
+    models/attention.py) take their parameters' placements, one all-reduce each, before the norm and the step.
+    torch 2.11's foreach AdamW reads such a gradient's local share as if whole (the weights drifted by 1e-2 from
+    one process's within two steps); torch 2.13 reduces it inside each op, once per op."""
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
 
-    The norm is taken per parameter group of the optimizers (each a `by_mesh` group of a model part)
-    and the groups combined. Under pipeline parallelism each rank sees only its stages' gradients, so
-    the squared norms are summed over the pipeline group."""
+    The norm is taken per parameter group of the optimizers (each a `by_mesh` group of a model part, its
+    gradients first reduced where still partial: `reduce_partial_grads`) and the groups combined. Under
+    pipeline parallelism each rank sees only its stages' gradients, so the squared norms are summed over the
+    pipeline group."""
     groups = [[p for p in group["params"] if p.grad is not None] for group in optimizers.param_groups]
     groups = [params for params in groups if params]
+    for params in groups:
+        reduce_partial_grads(params)
     norms = []
     for params in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)

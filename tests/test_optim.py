@@ -49,3 +49,36 @@ def test_schedule_sets_every_optimizer_lr_per_step_and_resumes():
 def test_impossible_schedule_is_rejected():
     with pytest.raises(ValueError, match="exceed training.steps"):
         LRSchedule(optimizers_for(torch.nn.Linear(2, 2)), 10, LRScheduler(warmup_steps=8, decay_ratio=0.5), peak_lr=0.1)
+
+
+def _partial_gradients(rank: int, store_path: str) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from components.optim import clip_grad_norm
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    x, probe = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 4, 16)  # (batch, seq, heads, head_dim)
+    reference, norm = torch.nn.RMSNorm(16), torch.nn.RMSNorm(16)
+    (reference(x) * probe).sum().backward()
+    # As the QK-norm of a tensor-parallel attention: each rank normalises its own heads.
+    parallelize_module(norm, init_device_mesh("cpu", (2,)), SequenceParallel(sequence_dim=2, use_local_output=True))
+    heads = slice(2 * rank, 2 * rank + 2)
+    (norm(x[:, :, heads]) * probe[:, :, heads]).sum().backward()
+    assert norm.weight.grad.placements[0].is_partial()
+    grad_norm = clip_grad_norm(SimpleNamespace(param_groups=[{"params": [norm.weight]}]), 0.0)
+    assert norm.weight.grad.placements == norm.weight.placements
+    torch.testing.assert_close(norm.weight.grad.to_local(), reference.weight.grad)
+    torch.testing.assert_close(grad_norm, reference.weight.grad.norm())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_partial_gradients_are_reduced_to_their_parameters_placements_before_the_norm_and_the_step(tmp_path):
+    """The tensor-parallel QK-norm weights' gradients are Partial after backward; torch 2.11's foreach AdamW read
+    their local shares as whole. clip_grad_norm reduces them first: each rank then holds the whole gradient."""
+    torch.multiprocessing.spawn(_partial_gradients, args=(str(tmp_path / "store"),), nprocs=2)
