@@ -78,6 +78,13 @@ def is_v_style(schedule_name: str) -> bool:
     return schedule_name in V_SCHEDULES
 
 
+def gloo_cannot_run(schedule_name: str) -> bool:
+    """torch 2.11's V schedules pass between a rank's two adjacent stages through the process group, and gloo
+    (CPU) cannot send to its own rank: the rank fails with "Pair is not connected" and the other waits for it.
+    torch 2.13 passes them within the rank."""
+    return is_v_style(schedule_name) and torch.__version__ < "2.13"
+
+
 def stage_ids_for_rank(pp_rank: int, pp_size: int, stages_per_rank: int, v_style: bool) -> list[int]:
     """The stages rank `pp_rank` runs, in order.
 
@@ -343,6 +350,12 @@ def build_pipeline(
         raise ConfigError(
             f"training.local_batch_size {local_batch} must be a multiple of "
             f"parallelism.pipeline_parallel_microbatch_size {mb_size}"
+        )
+    if device.type == "cpu" and gloo_cannot_run(p.pipeline_parallel_schedule):
+        raise ConfigError(
+            f"{SCHEDULE_KEYS} {p.pipeline_parallel_schedule} on CPU needs torch 2.13 or newer: torch "
+            f"{torch.__version__}'s V schedules send between a rank's own two stages through gloo, which cannot; "
+            "pick Interleaved1F1B or another looped schedule, or upgrade torch"
         )
     group = pp_mesh.get_group()
     stages = [
