@@ -234,10 +234,9 @@ def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> to
     pipeline group."""
     groups = [[p for p in group["params"] if p.grad is not None] for group in optimizers.param_groups]
     groups = [params for params in groups if params]
-    for params in groups:
-        reduce_partial_grads(params)
     norms = []
     for params in groups:
+        reduce_partial_grads(params)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))

@@ -47,6 +47,7 @@ from parallelisms.context_parallel_documents import (
     rank_positions,
     ring_documents,
     take,
+    visible_keys,
 )
 from parallelisms.ring_attention import ring_attention
 
@@ -136,10 +137,8 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
     for j, (start, end, mask) in enumerate(documents.plan):
         rows = slice(j * chunk, (j + 1) * chunk)
         if mask is None:
-            queries, keys = documents.shares[:, cp_rank, rows], torch.arange(start, end, device=q.device)
-            ids = documents.document_ids
-            mask = ((ids.gather(1, queries)[:, :, None] == ids[:, None, start:end])
-                    & (queries[:, :, None] >= keys))[:, None]
+            keys = torch.arange(start, end, device=q.device)
+            mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys)[:, None]
         outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask))
     return torch.cat(outputs, dim=2)
 

@@ -101,6 +101,15 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> to
     return share_positions(document_ids, cp_size)[:, cp_rank]
 
 
+def visible_keys(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """(batch, queries, keys) booleans: whether the query at q_positions may see the key at k_positions (at or before
+    it, in its document). document_ids: (batch, seq), of the whole sequence; positions (batch, n) per row, or (n,)
+    shared by the rows."""
+    q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
+    return ((document_ids.gather(1, q_positions)[:, :, None] == document_ids.gather(1, k_positions)[:, None, :])
+            & (q_positions[:, :, None] >= k_positions[:, None, :]))
+
+
 def allgather_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
     """allgather's mask: each of this rank's query chunks sees the keys from the earliest start of its first
     query's document (over the rows) to its latest end; on CUDA under a FlexAttention mask, built here once for

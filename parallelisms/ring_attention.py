@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.context_parallel_documents import visible_keys
+
 aten = torch.ops.aten
 _state = threading.local()
 
@@ -91,12 +93,8 @@ def _aligned(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def block_bias(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
-    """(batch, 1, queries, keys): 0 where the query at q_positions may see the key at k_positions (at or before
-    it, in its document), -inf elsewhere. document_ids: (batch, seq), of the whole sequence; positions (batch,
-    n) per row, or (n,) shared by the rows."""
-    q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
-    allowed = ((document_ids.gather(1, q_positions)[:, :, None] == document_ids.gather(1, k_positions)[:, None, :])
-               & (q_positions[:, :, None] >= k_positions[:, None, :]))
+    """(batch, 1, queries, keys): 0 where the query may see the key (`visible_keys`), -inf elsewhere."""
+    allowed = visible_keys(document_ids, q_positions, k_positions)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
 
 
