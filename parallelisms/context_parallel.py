@@ -29,6 +29,7 @@ CPU attention).
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,6 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from components.config import ConfigError
 from models.attention import masked_attention
@@ -50,6 +50,9 @@ from parallelisms.context_parallel_documents import (
     visible_keys,
 )
 from parallelisms.ring_attention import ring_attention
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -148,6 +151,9 @@ def zigzag_masks(seq_len: int, cp_size: int, cp_rank: int) -> tuple[CausalBias, 
     i of chunk c sees the keys up to c * chunk + i, causal aligned at the bottom right. `causal_lower_right` says
     so without a mask: on CUDA SDPA runs the flash kernel on it (half precision); elsewhere torch builds the mask.
     Made once, outside compiled code (a compiled graph cannot construct one, but takes one)."""
+    # Imported here: torch.nn.attention.bias imports torch's compiler (0.4 s and 30 MB of every process's start-up).
+    from torch.nn.attention.bias import causal_lower_right
+
     chunk = seq_len // (2 * cp_size)
     return tuple(causal_lower_right(chunk, (index + 1) * chunk) for index in (cp_rank, 2 * cp_size - 1 - cp_rank))
 

@@ -174,3 +174,13 @@ def test_train_function_stays_within_150_lines_and_no_source_file_over_500():
                                      for p in (REPO / folder).rglob("*.py"))]
     long = {str(p.relative_to(REPO)): n for p in sources if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_importing_the_trainer_leaves_torch_s_compiler_unloaded():
+    """torch._dynamo loads only in runs that compile or need it (the allgather masks of context parallelism,
+    FlexAttention): importing it costs every process start-up time and tens of MB of resident memory, which the
+    memory estimator's CPU baseline counts (torch.nn.attention.bias imports it, and once did so from train.py)."""
+    code = "import sys, train; print('torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "False"]

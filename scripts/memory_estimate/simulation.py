@@ -11,7 +11,6 @@ from types import ModuleType
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.attention.bias import causal_upper_left
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -154,6 +153,14 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
 
+def unmasked_stand_in(queries: int, keys: int):
+    """A mask of `queries` x `keys` that SDPA runs with none (causal from the top left): on fake tensors, where only
+    sizes matter, the stand-in of a mask the target's kernel needs none of. Made before the fake mode."""
+    from torch.nn.attention.bias import causal_upper_left  # here: the module imports torch's compiler
+
+    return causal_upper_left(queries, keys)
+
+
 def one_document_plan(cp: int, local_seq: int, method: str, target: str):
     """Rank 0's `ShardedDocuments.plan` under allgather or ring for rows of one document each, the most work
     (alltoall's is the model's own mask: None). Real tensors, made before the fake mode: fake ones have no
@@ -164,7 +171,7 @@ def one_document_plan(cp: int, local_seq: int, method: str, target: str):
     ids = torch.zeros(1, cp * local_seq, dtype=torch.long)
     plan = {"allgather": allgather_documents, "ring": ring_documents}[method](ids, cp_size=cp, cp_rank=0).plan
     if method == "allgather" and target == "cuda":
-        return [keys._replace(block_mask=causal_upper_left(local_seq // 2, keys.end - keys.start)) for keys in plan]
+        return [keys._replace(block_mask=unmasked_stand_in(local_seq // 2, keys.end - keys.start)) for keys in plan]
     return plan
 
 
@@ -172,7 +179,7 @@ def flex_mask_stand_in(seq_len: int, target: str):
     """The model's document mask of the whole sequence where the target runs FlexAttention (CUDA): a stand-in of
     its sizes that SDPA runs with no mask, made before the fake mode. None elsewhere: the model's own builder makes
     the dense boolean mask that the CPU attends under."""
-    return causal_upper_left(seq_len, seq_len) if target == "cuda" else None
+    return unmasked_stand_in(seq_len, seq_len) if target == "cuda" else None
 
 
 def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
@@ -180,7 +187,7 @@ def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
     runs them with no mask (CUDA, half precision), stand-ins of their sizes that SDPA runs with none either."""
     masks = zigzag_masks(local_seq * cp, cp, 0)
     if target == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return tuple(causal_upper_left(mask.seq_len_q, mask.seq_len_kv) for mask in masks)
+        return tuple(unmasked_stand_in(mask.seq_len_q, mask.seq_len_kv) for mask in masks)
     return masks
 
 
