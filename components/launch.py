@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
@@ -50,26 +51,35 @@ def _error_file() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE") if os.environ.get(LAUNCHED) else None
 
 
+def _write_report(message: str | dict) -> None:
+    """A report into this worker's error file, in the format torchrun parses, whole or not at all: torchrun reads
+    the error file of every worker that ended with a failure and fails itself on one it cannot parse, and a worker
+    writing its report when torchrun's SIGTERM comes (sent to the other workers once one has failed; train.main
+    has given the signal's default back by then) dies mid-write. So written beside it and renamed into place."""
+    path = Path(_error_file())
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps({"message": message, "timestamp": str(int(time.time()))}))
+    os.replace(partial, path)
+
+
 def report_failure(message: str) -> None:
     """A worker's one-line failure report: for this launcher, which shows the first failing rank's, or on stderr."""
-    path = _error_file()
-    if path:  # in a format torchrun parses: it reads every failed worker's error file
-        Path(path).write_text(json.dumps({"message": message, "timestamp": str(int(time.time()))}))
+    if _error_file():
+        _write_report(message)
     else:
         print(message, file=sys.stderr)
 
 
 def run_worker(main: Callable[[], int]) -> int:
-    """main()'s status. For this launcher an uncaught exception goes with its traceback into the error file, in
-    torch's own format, instead of onto stderr, and the status is 1."""
+    """main()'s status. For this launcher an uncaught exception goes with its traceback into the error file (in
+    the form of torch's ErrorHandler.record_exception) instead of onto stderr, and the status is 1."""
     if not _error_file():
         return main()
     try:
         return main()
     except Exception as e:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(e)
+        _write_report({"message": f"{type(e).__name__}: {e}",
+                       "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}})
         return 1
 
 

@@ -3,11 +3,14 @@ batch, the same global batches under every layout, each rank reading its own sha
 resume on another number of processes, reshuffled epochs, blends, validation and bad input."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from components.data.sources import DataError, open_source
+from components.data.sources import DataError, open_source, reader_libraries
 from components.data.streaming import build_streaming_dataloader, build_streaming_validation_dataloader
 
 
@@ -204,6 +207,25 @@ def test_files_folders_repositories_and_saved_datasets_are_read(tmp_path):
     assert not compressed.splittable and texts(tmp_path / "docs.jsonl.gz") == DOCS
     two = [loader_of([tmp_path / "docs.jsonl.gz"], 4, 1, 2, r, 2) for r in range(2)]  # each takes every 2nd
     assert [ByteTokenizer().decode(next(iter(loader))[0].tolist()) for loader in two] == ["firs", "a se"]
+
+
+def test_reader_libraries_names_what_reading_each_kind_of_source_imports(tmp_path):
+    """The memory estimator's baseline imports reader_libraries: each kind of source read in a fresh process
+    loads Hugging Face datasets and pyarrow exactly when it says (JSON lines: neither, the default data)."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(tmp_path / "d.parquet"))
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
+    sources = [write_jsonl(tmp_path / "d.jsonl"), tmp_path / "d.parquet", tmp_path / "saved",
+               write_repository(tmp_path / "repo", DOCS, shards=1)]
+    read = ("import sys; from components.data.sources import open_source; s = open_source(sys.argv[1], 'text'); "
+            "assert s.read_range(0, s.units); print([m for m in ('datasets', 'pyarrow') if m in sys.modules])")
+    runs = [subprocess.Popen([sys.executable, "-c", read, str(path)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parents[1]) for path in sources]
+    loaded = [json.loads(run.communicate(timeout=120)[0].replace("'", '"')) for run in runs]
+    assert [reader_libraries(str(path)) for path in sources] == [[], ["pyarrow.parquet"], ["datasets"], ["datasets"]]
+    assert reader_libraries("allenai/c4:en:0.5") == ["datasets"]  # a hub id, with a blend weight
+    assert loaded == [[], ["pyarrow"], ["datasets", "pyarrow"], ["datasets", "pyarrow"]]
 
 
 def test_bad_data_gets_a_one_line_error(tmp_path):

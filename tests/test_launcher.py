@@ -60,6 +60,46 @@ def test_a_non_finite_loss_exits_3_with_its_line_once(nproc, tmp_path):
     assert "Traceback" not in out and "ChildFailedError" not in out
 
 
+def test_a_worker_s_report_is_in_its_error_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun parses the error file of every worker that failed and fails itself on a partial one: in CI rank 0,
+    reporting the collective that rank 1's crash broke, got torchrun's SIGTERM mid-write and the launcher died of
+    a JSONDecodeError instead of restarting the job. A write cut short now leaves no file; a whole one parses."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from components.launch import report_failure, run_worker
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("INGOT_LAUNCHER", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    class Killed(BaseException):
+        """What a signal's default action does to a process, as far as its files are concerned."""
+
+    write_text = Path.write_text
+
+    def killed_mid_write(path, text):
+        write_text(path, text[:10])
+        raise Killed
+
+    with monkeypatch.context() as patched, pytest.raises(Killed):
+        patched.setattr(Path, "write_text", killed_mid_write)
+        report_failure("error: a one-line report")
+    assert not error_file.exists()
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(error_file)).message == "Signal 15 (SIGTERM) received by PID 1"
+
+    report_failure("error: a one-line report")
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == "error: a one-line report"
+
+    def crash():
+        raise RuntimeError("fault injected")
+
+    assert run_worker(crash) == 1
+    crashed = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file)).message
+    assert crashed["message"] == "RuntimeError: fault injected"
+    assert 'raise RuntimeError("fault injected")' in crashed["extraInfo"]["py_callstack"]
+    assert [f.name for f in tmp_path.iterdir()] == ["error.json"]
+
+
 @pytest.mark.slow
 def test_a_crash_exits_1_and_shows_the_first_failing_ranks_traceback_once(tmp_path):
     """Rank 1 raises during step 3; rank 0, stopped by torchrun or by the broken collective, stays silent. Started

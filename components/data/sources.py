@@ -312,6 +312,34 @@ def _units(path: str, builder: str) -> tuple[int, list[int]]:
     return _file_size(path), []
 
 
+def _where(path: str) -> str:
+    """How a dataset path is found: "saved" (a save_to_disk folder), "repository" (a local dataset repository),
+    "hub" (an id owner/name[:config] that names nothing here) or "files" (files, a glob or a folder of files)."""
+    p = Path(path)
+    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
+        return "saved"
+    if p.is_dir() and ((p / "data").is_dir() or (p / "README.md").exists()):
+        return "repository"
+    if not p.exists() and HUB_ID.fullmatch(path.partition(":")[0]) and not _builder(path) and not glob.glob(path):
+        return "hub"
+    return "files"
+
+
+def reader_libraries(entry: str) -> list[str]:
+    """The modules reading a dataset path entry imports: Hugging Face datasets for a saved folder, a dataset
+    repository or a hub id, pyarrow for Parquet files, none for JSON lines and text. The memory estimator imports
+    them to measure what a trainer process holds."""
+    from components.data.packed import parse_path
+
+    path, _ = parse_path(entry)
+    where = _where(path)
+    if where != "files":
+        return ["datasets"]
+    p = Path(path)
+    files = p.rglob("*") if p.is_dir() else [p] if p.is_file() else map(Path, glob.glob(path))
+    return ["pyarrow.parquet"] if any(_builder(str(f)) == "parquet" for f in files) else []
+
+
 def open_source(entry: str, text_field: str, setting: str = "training.dataset_path", split: str = "train") -> Source:
     """One dataset path entry ("path" or "path:weight"; see the module docstring), checked: every file's head is
     readable and has `text_field`, and there is something to read. Raises DataError (or FileNotFoundError) with a
@@ -319,8 +347,8 @@ def open_source(entry: str, text_field: str, setting: str = "training.dataset_pa
     from components.data.packed import parse_path
 
     path, weight = parse_path(entry)
-    p = Path(path)
-    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
+    p, where = Path(path), _where(path)
+    if where == "saved":
         try:
             saved = _saved(str(p), os.getpid())
         except Exception as e:  # noqa: BLE001 - datasets raises many kinds
@@ -329,16 +357,15 @@ def open_source(entry: str, text_field: str, setting: str = "training.dataset_pa
         if len(saved) == 0:
             raise DataError(f"{setting} {path!r} holds no documents")
         return Source(p.name, weight, "saved", [str(p)], [len(saved)], text_field, setting)
-    if p.is_dir() and ((p / "data").is_dir() or (p / "README.md").exists()):
+    if where == "repository":
         files = _repository_files(p, split, setting)
+    elif where == "hub":
+        files = _hub_files(path, split, setting)
     else:
         files = _files(path, setting)
     if not files:
-        if not p.exists() and HUB_ID.fullmatch(path.partition(":")[0]) and not _builder(path):
-            files = _hub_files(path, split, setting)
-        else:
-            raise FileNotFoundError(f"{setting}: no data files at {path!r} (JSON/JSONL, text or Parquet files, a "
-                                    "dataset repository or save_to_disk folder, or a hub id owner/name when online)")
+        raise FileNotFoundError(f"{setting}: no data files at {path!r} (JSON/JSONL, text or Parquet files, a "
+                                "dataset repository or save_to_disk folder, or a hub id owner/name when online)")
     builder = _builder(files[0])
     sizes, groups = [], []
     for file in files:
