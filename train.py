@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -32,9 +31,9 @@ from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
-from components.exit_codes import EXIT_BAD_INPUT
+from components.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, replica_folder, replica_groups
-from components.garbage_collection import GarbageCollection, freeze_before_exit
+from components.garbage_collection import GarbageCollection
 from components.heartbeat import Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
@@ -312,6 +311,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = run_worker(main)
-    freeze_before_exit()
-    sys.exit(status)
+    exit_process(run_worker(main))

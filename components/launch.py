@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
 
-from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
-from components.garbage_collection import freeze_before_exit
+from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED, exit_process
 
 KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
@@ -209,6 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    freeze_before_exit()
-    sys.exit(status)
+    exit_process(main())

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from components import checkpoint_integrity  # noqa: E402
+from components.exit_codes import exit_process  # noqa: E402
 from components.optim import Optimizers  # noqa: E402
 
 
@@ -124,4 +125,4 @@ if __name__ == "__main__":
         if marker is not None:
             marker.touch()
         inject(kind, int(step), int(rank[0]) if rank else None)
-    sys.exit(train.run_worker(train.main))
+    exit_process(train.run_worker(train.main))
