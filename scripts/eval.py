@@ -23,6 +23,7 @@ import torch.distributed as dist
 from components.config import ConfigError
 from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
+from components.exit_codes import exit_process
 from components.loss import sequence_loglikelihoods
 from scripts.checkpoint_model import model_from_checkpoint
 
@@ -98,4 +99,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
