@@ -325,19 +325,17 @@ def _where(path: str) -> str:
     return "files"
 
 
-def reader_libraries(entry: str) -> list[str]:
+def reader_libraries(entry: str, setting: str = "training.dataset_path") -> list[str]:
     """The modules reading a dataset path entry imports: Hugging Face datasets for a saved folder, a dataset
     repository or a hub id, pyarrow for Parquet files, none for JSON lines and text. The memory estimator imports
     them to measure what a trainer process holds."""
     from components.data.packed import parse_path
 
     path, _ = parse_path(entry)
-    where = _where(path)
-    if where != "files":
+    if _where(path) != "files":
         return ["datasets"]
-    p = Path(path)
-    files = p.rglob("*") if p.is_dir() else [p] if p.is_file() else map(Path, glob.glob(path))
-    return ["pyarrow.parquet"] if any(_builder(str(f)) == "parquet" for f in files) else []
+    files = _files(path, setting)  # of one format
+    return ["pyarrow.parquet"] if files and _builder(files[0]) == "parquet" else []
 
 
 def open_source(entry: str, text_field: str, setting: str = "training.dataset_path", split: str = "train") -> Source:

@@ -68,9 +68,11 @@ def cpu_baseline_bytes(config: Config) -> int:
         sys.modules["train"] = trainer
         spec.loader.exec_module(trainer)
     import_model_package(config.model.name)
-    paths = [*(config.training.dataset_path if config.training.dataset == "hf" else []),
-             *(validation_sources(config.validation.dataset_path).values() if config.validation.enable else [])]
-    for module in {module for entry in paths for module in reader_libraries(entry)}:
+    sources = {"training.dataset_path": config.training.dataset_path if config.training.dataset == "hf" else [],
+               "validation.dataset_path": (validation_sources(config.validation.dataset_path).values()
+                                           if config.validation.enable else [])}
+    for module in {module for setting, entries in sources.items() for entry in entries
+                   for module in reader_libraries(entry, setting)}:
         importlib.import_module(module)
     if config.metrics.enable_tensorboard:
         importlib.import_module("torch.utils.tensorboard")
