@@ -132,16 +132,15 @@ def train(config: Config, signals: StopSignals) -> int:
     logger.info(step_guard.describe())
     checkpointer = CheckpointManager(
         config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
-        training.steps, device, load_hf=partial(load_hf_weights, model_parts=model_parts, package=model_package,
-                                                args=model_args),
-        run_record=record,
-    )
+        training.steps, device, run_record=record,
+        load_hf=partial(load_hf_weights, model_parts=model_parts, package=model_package, args=model_args))
     if config.checkpoint.create_seed_checkpoint:  # one process (components/layout_checks.py)
         logger.info(f"config written to {dump_config(config, dump_folder, 0)}")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
         return 0
     start_step = train_state.step = checkpointer.load()
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
+    preemption.before_first_step()  # a stop signal during start-up ends the run here, nothing trained or written
     replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, device)
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")

@@ -8,6 +8,10 @@ summary to what every rank printed. `python -m components.launch <torchrun's arg
 the worst status of its workers (worst_status) and prints the report of the rank that failed first: its one line, or
 its traceback. Its workers leave their reports to it (report_failure, run_worker) in the error file torchrun gives
 each of them, so an error every rank hits is shown once.
+
+A stop signal (SIGTERM, SIGUSR1) that comes before torchrun can pass it on, or before a worker can note it, is held
+until then (components/stop_signals.py): the launcher blocks both first thing, its workers start with them blocked,
+and it unblocks them once torchrun's handler is installed and the workers have started.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from unittest import mock
 
 from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED, exit_process
+from components.stop_signals import hold_stop_signals, release_stop_signals, stop_signal_pending
 
 KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
@@ -163,19 +168,35 @@ def restarts_allowed(argv: list[str]) -> int:
 def launch_once(argv: list[str]) -> tuple[int, list[str], bool]:
     """torchrun once: the workers' status, what to print, and whether the launcher itself got a signal."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     workers, signalled = Workers(), None
-    with mock.patch.object(PContext, "close", workers.watch(PContext.close)):
+    with (mock.patch.object(PContext, "close", workers.watch(PContext.close)),
+          mock.patch.object(SimpleElasticAgent, "_initialize_workers", _then_release(SimpleElasticAgent))):
         try:
             torchrun.run(torchrun.parse_args(argv))
         except ChildFailedError:
             pass  # torchrun's summary of the failure: the workers' own statuses and reports are read below
         except SignalException as e:  # torchrun passed the signal on and waited for the workers
             signalled = 128 + e.sigval
+        finally:
+            hold_stop_signals()  # again: between attempts, and until the launcher exits
     status, lines = workers.outcome()
     return (status if status is not None else signalled or 0), lines, signalled is not None
+
+
+def _then_release(agent_class) -> Callable:
+    """torchrun's agent's _initialize_workers (rendezvous, then start the workers with the stop signals still
+    blocked), then the signals unblocked: one that came since the launch reaches torchrun's handler now, which
+    passes it on to the workers (SignalException, with the workers' context in place to close)."""
+    initialize = agent_class._initialize_workers
+
+    def initialize_then_release(agent, worker_group):
+        initialize(agent, worker_group)
+        release_stop_signals()
+    return initialize_then_release
 
 
 def with_process_count(argv: list[str]) -> list[str]:
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     """torchrun, and again after a crash or a hang as many times as job.max_restarts allows: each attempt resumes
     the run's last checkpoint. Never after bad input (2), the step guard (3), a preemption (75) or a signal to the
     launcher: those a person or the scheduler decides on."""
+    hold_stop_signals()  # until torchrun can pass them on to the workers (launch_once): not lost, not fatal
     argv = with_process_count(sys.argv[1:] if argv is None else argv)
     os.environ[LAUNCHED] = "1"
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
@@ -200,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         status, lines, signalled = launch_once(argv)
         for line in lines:
             print(line, file=sys.stderr, flush=True)
-        if signalled or status in (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED) or attempt == restarts:
+        stopped = signalled or stop_signal_pending()  # a stop signal after the workers ended: no restart
+        if stopped or status in (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED) or attempt == restarts:
             return status
         cause = lines[0] if lines else f"exit status {status}"
         print(f"restart {attempt + 1} of {restarts} (job.max_restarts) after: {cause}", file=sys.stderr, flush=True)

@@ -6,11 +6,13 @@ The lock is the kernel's (fcntl.lockf, a POSIX record lock): it goes away with t
 it, however that process ends (kill -9 included), so a dead job never blocks a restart. On NFS the
 lock goes through the server's lock manager (NLM for NFSv3, built into NFSv4) and holds across hosts;
 Lustre honours it across clients only when mounted with `-o flock` (with `-o localflock` it holds on one
-host only). Where the filesystem cannot lock at all, the job says so and runs unguarded.
+host only). Where the filesystem cannot lock at all, the job says so and runs unguarded. A job that created the
+folder and wrote nothing else into it (refused, or stopped by a signal, before its first step) removes it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -31,8 +33,9 @@ class FolderInUse(RuntimeError):
     """Another live job holds the dump folder."""
 
 
-_held: dict[Path, object] = {}
-"""The open lock files: a lock lasts as long as its file stays open."""
+_held: dict[Path, tuple[object, Path | None]] = {}
+"""The open lock files (a lock lasts as long as its file stays open), each with the outermost folder its job
+created (None where the folder was there before)."""
 
 
 def lock_dump_folder(folder: Path) -> None:
@@ -41,6 +44,7 @@ def lock_dump_folder(folder: Path) -> None:
     folder = folder.resolve()
     if folder in _held:  # POSIX locks are per process: taking it again, or closing a second handle, would drop it
         return
+    created = next((f for f in reversed([folder, *folder.parents]) if not f.exists()), None)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     handle = open(path, "a+")
@@ -63,13 +67,21 @@ def lock_dump_folder(folder: Path) -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
     handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
     handle.flush()
-    _held[folder] = handle
+    _held[folder] = handle, created
 
 
 def release_dump_folders() -> None:
-    """Drop this process's folder locks (when a run ends inside a longer-lived process, e.g. a test)."""
-    for handle in _held.values():
+    """Drop this process's folder locks (at a run's end: in a test, a run ends inside a longer-lived process). A
+    folder the job created and left holding only its lock file goes, with the empty folders created above it."""
+    for folder, (handle, created) in _held.items():
         handle.close()
+        if created is not None and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+            (folder / LOCK_FILE).unlink()
+            with contextlib.suppress(OSError):  # a folder something else wrote into meanwhile stays
+                for empty in [folder, *folder.parents]:
+                    empty.rmdir()
+                    if empty == created:
+                        break
     _held.clear()
 
 

@@ -8,8 +8,13 @@ timed out (one screen names the ranks); EXIT_PREEMPTED (75) stopped by a signal 
 
 Preemption. SLURM sends SIGTERM before killing a job (preemption, scancel; SIGKILL follows after its
 GraceTime/KillWait), and `#SBATCH --signal=USR1@<seconds>` sends SIGUSR1 that long before the time limit.
-torchrun forwards both to the workers when told to (run_train.sh does: see docs/reliability.md). train.main
-installs a handler that only notes the signal (StopSignals). At each step boundary the ranks agree whether
+torchrun forwards both to the workers when told to (run_train.sh does: see docs/reliability.md). Both are held
+(blocked) from the launcher's start until a handler is in place (components/stop_signals.py), so one that comes
+during start-up is never lost and never kills a worker by its default action. train.main installs a handler that
+only notes the signal (StopSignals). Just before the first step the ranks agree whether any of them got one; if so,
+they exit with EXIT_PREEMPTED having trained and written nothing (Preemption.before_first_step raises
+StoppedAtStartUp, which exit_status maps to that status). At each step
+boundary the ranks agree whether
 any of them got one (an all-reduce on a CPU group, so no device sync, whose answer is read one step later, so
 that no step waits for it); if so, they all save a checkpoint of that step and exit with EXIT_PREEMPTED
 (Preemption). Re-running the same command resumes.
@@ -38,19 +43,27 @@ from components.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXI
 from components.heartbeat import Hung
 from components.run_lock import FolderInUse
 from components.step_guard import TrainingStopped
+from components.stop_signals import STOP_SIGNALS, release_stop_signals
 
 logger = logging.getLogger(__name__)
 
 PREEMPTED_FILE = "preempted.json"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedAtStartUp(Exception):
+    """A stop signal reached a rank during start-up: the run ends before its first step (EXIT_PREEMPTED)."""
 
 
 def exit_status(run: Callable[[], int], report: Callable[[str], None]) -> int:
     """run()'s status; where an exception ends it, the status that names its kind, after `report` got its one
-    line: bad input (EXIT_BAD_INPUT) or a stop of the step guard (EXIT_STOPPED). Any other exception is a crash:
-    it propagates, with its traceback."""
+    line: bad input (EXIT_BAD_INPUT) or a stop of the step guard (EXIT_STOPPED); a stop signal during start-up is
+    no failure: EXIT_PREEMPTED, with a line in the log. Any other exception is a crash: it propagates, with its
+    traceback."""
     try:
         return run()
+    except StoppedAtStartUp as e:
+        logger.info(f"{e}; exiting with status {EXIT_PREEMPTED} (rerun to start)")
+        return EXIT_PREEMPTED
     except (ConfigError, FileNotFoundError, ValueError, FolderInUse) as e:
         report(f"error: {e}")
         return EXIT_BAD_INPUT
@@ -68,27 +81,31 @@ def leave_signals_to_the_trainer(worker_id: int = 0) -> None:
     which holds its loader workers; torch's DataLoader makes a worker die of SIGTERM, so the trainer's next batch
     failed before it could save. Loader workers now ignore the stop signals and leave them to the trainer,
     which stops their processes once it has saved; and they die with it (Linux) if it is killed."""
-    for signum in SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the trainer
 
 
 class StopSignals:
-    """While active (a context manager), SIGTERM and SIGUSR1 are noted instead of ending the
-    process; the previous handlers come back on exit."""
+    """While active (a context manager), SIGTERM and SIGUSR1 are noted instead of ending the process, those that
+    came while they were held (since the launch, under the launcher) included; on exit the signal mask and the
+    handlers are as before: a launcher's worker holds them again until it exits."""
 
     def __init__(self):
         self.received: int | None = None
         self.previous = {}
+        self.previous_mask: set[int] = set()
         self.in_flight: tuple[torch.Tensor, dist.Work] | None = None
 
     def __enter__(self) -> StopSignals:
-        for signum in SIGNALS:
+        for signum in STOP_SIGNALS:
             self.previous[signum] = signal.signal(signum, self._note)
+        self.previous_mask = release_stop_signals()
         return self
 
     def __exit__(self, *exc) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
@@ -109,20 +126,35 @@ class StopSignals:
         work.wait()
         return bool(previous_flag.item())
 
+    def agreed_now(self, group) -> bool:
+        """Whether any rank of `group` has received a signal by now (a blocking all-reduce: before the first step)."""
+        flag = torch.tensor([0 if self.received is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"
 
 
 class Preemption:
-    """In the training loop: whether the ranks agreed to stop for a signal (`agreed`, once per step), and the
-    stop itself (`stop`): a checkpoint of the step on every rank, preempted.json, EXIT_PREEMPTED."""
+    """Before the first step, whether a signal came during start-up (`before_first_step`); in the training loop,
+    whether the ranks agreed to stop for a signal (`agreed`, once per step), and the stop itself (`stop`): a
+    checkpoint of the step on every rank, preempted.json, EXIT_PREEMPTED."""
 
     def __init__(self, signals: StopSignals, checkpointer, dump_folder: Path, timeout_seconds: int):
         self.signals, self.checkpointer, self.dump_folder = signals, checkpointer, dump_folder
         # Agreeing without a device sync: a CPU group, with the training timeout.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+
+    def before_first_step(self) -> None:
+        """Raises StoppedAtStartUp where any rank got a stop signal during start-up: the run stops before its first
+        step, having written nothing (a previous preemption's record stays, true still). Otherwise training starts,
+        and the record of a previous preemption goes."""
+        if self.signals.agreed_now(self.group):
+            raise StoppedAtStartUp(f"{self.signals.describe()} during start-up: stopping before the first step, "
+                                   f"nothing trained or written")
         if dist.get_rank() == 0:
-            (dump_folder / PREEMPTED_FILE).unlink(missing_ok=True)
+            (self.dump_folder / PREEMPTED_FILE).unlink(missing_ok=True)
 
     def agreed(self) -> bool:
         return self.signals.agreed(self.group)

@@ -8,11 +8,18 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
                    integrity.json and the rename that commit the checkpoint
   hang-step:N:R    rank R stops responding (sleeps) during step N
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
-  slow-steps:N[:R] rank R (or every rank) sleeps SLOW_STEP_SECONDS in every step from step N on, and waits there
-                   while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
+  slow-steps:N[:R[:S]]  rank R (or every rank) sleeps S seconds (SLOW_STEP_SECONDS) in every step from step N on,
+                   and waits there while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
 
 With INGOT_FAULT_ONCE=<path> each rank arms the fault only where <path>.rank<R> does not exist yet, and creates
 it: a job that restarts after the fault (job.max_restarts) then runs clean.
+
+With INGOT_STOP_SIGNAL=<signal>:<point>:<target> (no INGOT_FAULT needed), rank 0 sends a stop signal to the launcher
+(its parent; target `launcher`) or to the launcher and all its descendants (`every`) at a point of start-up:
+  imports        before this worker imports torch and the trainer
+  process-group  as the worker joins the process group
+  checkpoint     as the checkpoint loads
+  first-step     during the first step, before its optimizer step
 """
 
 import os
@@ -20,15 +27,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch.distributed as dist  # noqa: E402
-
-import train  # noqa: E402
-from components import checkpoint_integrity  # noqa: E402
-from components.exit_codes import exit_process  # noqa: E402
-from components.optim import Optimizers  # noqa: E402
 
 
 def descendants(root: int) -> list[int]:
@@ -45,6 +43,27 @@ def descendants(root: int) -> list[int]:
         found += kids
         todo += kids
     return found
+
+
+def send_stop_signal(point: str) -> None:
+    """On rank 0, the stop signal INGOT_STOP_SIGNAL names for `point`, if it names that point."""
+    name, at, target = os.environ.get("INGOT_STOP_SIGNAL", "::").split(":")
+    if at == point and os.environ.get("RANK", "0") == "0":
+        launcher = os.getppid()
+        for pid in [launcher, *(descendants(launcher) if target == "every" else [])]:
+            os.kill(pid, signal.Signals[name])
+
+
+send_stop_signal("imports")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.distributed as dist  # noqa: E402
+
+import train  # noqa: E402
+from components import checkpoint_integrity  # noqa: E402
+from components.checkpoint import CheckpointManager  # noqa: E402
+from components.exit_codes import exit_process  # noqa: E402
+from components.optim import Optimizers  # noqa: E402
 
 
 def kill_tree(root: int, spare: int | None = None) -> None:
@@ -67,14 +86,14 @@ def kill_everything() -> None:
 SLOW_STEP_SECONDS = 0.3
 
 
-def inject(kind: str, step: int, rank: int | None) -> None:
+def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SECONDS) -> None:
     if kind == "slow-steps":
         original_step, calls = Optimizers.step, [0]
 
         def slow_step(self, *args, **kwargs):
             calls[0] += 1
             if calls[0] >= step and (rank is None or dist.get_rank() == rank):
-                time.sleep(SLOW_STEP_SECONDS)
+                time.sleep(seconds)
                 while os.path.exists(os.environ.get("INGOT_PAUSE", "")):
                     time.sleep(0.05)
             return original_step(self, *args, **kwargs)
@@ -117,12 +136,31 @@ def inject(kind: str, step: int, rank: int | None) -> None:
         raise SystemExit(f"unknown INGOT_FAULT kind {kind!r}")
 
 
+def signal_at_start_up_points() -> None:
+    """send_stop_signal at the points of start-up after the imports (train.main has its handler in place)."""
+    def before(owner, name: str, point: str) -> None:
+        original, calls = getattr(owner, name), [0]
+
+        def signalled_first(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 1:
+                send_stop_signal(point)
+            return original(*args, **kwargs)
+        setattr(owner, name, signalled_first)
+
+    before(dist, "init_process_group", "process-group")
+    before(CheckpointManager, "load", "checkpoint")
+    before(Optimizers, "step", "first-step")
+
+
 if __name__ == "__main__":
-    kind, step, *rank = os.environ["INGOT_FAULT"].split(":")
-    once = os.environ.get("INGOT_FAULT_ONCE")
-    marker = Path(f"{once}.rank{os.environ.get('RANK', '0')}") if once else None
-    if marker is None or not marker.exists():
-        if marker is not None:
-            marker.touch()
-        inject(kind, int(step), int(rank[0]) if rank else None)
+    signal_at_start_up_points()
+    if "INGOT_FAULT" in os.environ:
+        kind, step, *rank = os.environ["INGOT_FAULT"].split(":")
+        once = os.environ.get("INGOT_FAULT_ONCE")
+        marker = Path(f"{once}.rank{os.environ.get('RANK', '0')}") if once else None
+        if marker is None or not marker.exists():
+            if marker is not None:
+                marker.touch()
+            inject(kind, int(step), int(rank[0]) if rank else None, *map(float, rank[1:]))
     exit_process(train.run_worker(train.main))
