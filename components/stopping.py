@@ -13,11 +13,10 @@ torchrun forwards both to the workers when told to (run_train.sh does: see docs/
 during start-up is never lost and never kills a worker by its default action. train.main installs a handler that
 only notes the signal (StopSignals). Just before the first step the ranks agree whether any of them got one; if so,
 they exit with EXIT_PREEMPTED having trained and written nothing (Preemption.before_first_step raises
-StoppedAtStartUp, which exit_status maps to that status). At each step
-boundary the ranks agree whether
-any of them got one (an all-reduce on a CPU group, so no device sync, whose answer is read one step later, so
-that no step waits for it); if so, they all save a checkpoint of that step and exit with EXIT_PREEMPTED
-(Preemption). Re-running the same command resumes.
+StoppedAtStartUp, which exit_status maps to that status). At each step boundary the ranks agree whether any of
+them got one (an all-reduce on a CPU group, so no device sync, whose answer is read one step later, so that no step
+waits for it); if so, they all save a checkpoint of that step and exit with EXIT_PREEMPTED (Preemption).
+Re-running the same command resumes.
 
 A signal that reaches the whole process tree must not kill a data loader's worker process before the
 checkpoint is saved: the loaders' workers ignore the stop signals (leave_signals_to_the_trainer).
@@ -117,7 +116,7 @@ class StopSignals:
         call was made. Each call starts the all-reduce of this rank's flag and reads the one the previous
         call started, which every rank has joined by now: the ranks agree one step later and never wait
         for each other here."""
-        flag = torch.tensor([0 if self.received is None else 1])
+        flag = self._flag()
         previous, self.in_flight = self.in_flight, (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group,
                                                                           async_op=True))
         if previous is None:
@@ -128,9 +127,13 @@ class StopSignals:
 
     def agreed_now(self, group) -> bool:
         """Whether any rank of `group` has received a signal by now (a blocking all-reduce: before the first step)."""
-        flag = torch.tensor([0 if self.received is None else 1])
+        flag = self._flag()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
+
+    def _flag(self) -> torch.Tensor:
+        """This rank's vote to stop: 1 once it received a signal."""
+        return torch.tensor([0 if self.received is None else 1])
 
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"
