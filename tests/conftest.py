@@ -4,6 +4,7 @@ import csv
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -176,6 +177,41 @@ def pytest_sessionstart(session):
     except OSError:  # another session got there first
         pass
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (theirs include their own children)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+CPU_AT_START = pytest.StashKey[float]()
+
+
+def pytest_runtest_setup(item):
+    item.stash[CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's teardown report carries its CPU seconds, its processes' included, from setup to teardown: what the
+    suite's time on a 2-core machine follows, where a wall time depends on what ran beside it."""
+    report = yield
+    if call.when == "teardown" and CPU_AT_START in item.stash:
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[CPU_AT_START]))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 20 tests that used the most CPU, and the suite's total: after --durations' wall times."""
+    spent = {r.nodeid: dict(r.user_properties)["cpu_seconds"] for reports in terminalreporter.stats.values()
+             for r in reports if getattr(r, "when", None) == "teardown" and "cpu_seconds" in dict(r.user_properties)}
+    if not spent:
+        return
+    terminalreporter.write_sep("=", f"most CPU (tests and their processes): {sum(spent.values()) / 60:.1f} CPU-min "
+                                    f"in all, {len(spent)} tests")
+    for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")
 
 
 def pytest_collection_modifyitems(config, items):

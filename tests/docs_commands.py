@@ -29,14 +29,14 @@ documented. What the runner changes, and why:
   command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
   is skipped.
 - `python -m pytest` only collects the suite (`--collect-only -q`): running it would run this test again.
-- Steps are cut short. `run_train.sh` and `train.py` get `--training.steps K+2` appended (a later override
+- Steps are cut short. `run_train.sh` and `train.py` get `--training.steps K+1` appended (a later override
   wins), K being the newest checkpoint step in the run's dump folder (0 without one): a run that resumes
-  trains 2 steps too, rather than finding nothing to do. A run sent to the background is not cut: it is
+  trains a step too, rather than finding nothing to do. A run sent to the background is not cut: it is
   the run the next command stops. The tools run fewer and shorter trainings (TOOL_CUTS): the benchmark
   its baseline case only, for 3 steps; autotune 4 candidates (batch 4 or 8, AC none or full, no compile)
   of 2 steps; coord_check 2 steps; the CP attention benchmark 512 tokens at degrees 1 and 2. In the scratch
   copy, the sweep files (train_configs/sweeps/) keep the first value of each grid key and their first
-  [[runs]], of 2 steps each (tests/test_sweep.py runs the rest of what a sweep does); the ladder files
+  [[runs]], of 1 step each (tests/test_sweep.py runs the rest of what a sweep does); the ladder files
   (train_configs/ladders/) keep their first 2 token budgets, a 32nd of each, with 2 warm-up steps and no
   bootstrap; both validate on 2 batches (losses this close to the initial ones give the resamples nothing to fit).
   Each command still starts its processes as documented: that, not the steps, is most of its time.
@@ -56,6 +56,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,9 @@ else:
 
 REPO = Path(__file__).resolve().parent.parent
 FENCES = ("```bash", "```sh", "```shell")
-STEPS = 2
+STEPS = 1
+"""What a cut-short training trains past its newest checkpoint: a second step costs a tenth of a 1-process run."""
+VALIDATION_STEPS = 2
 INSTALL = re.compile(r"(python3? -m venv|\. \.venv/bin/activate|pip install)\b")
 TRAINING = re.compile(r"(^|[\s/])(run_train\.sh|train\.py)(\s|$)")
 TOOL_CUTS = {
@@ -117,6 +120,8 @@ class Outcome:
     """The command as run; None when skipped."""
     status: int | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """Of the command's processes: what the runner's time on a loaded machine follows."""
     output: str = ""
     problem: str = ""
     """Empty when the command did what its documentation says."""
@@ -248,7 +253,7 @@ def copy_repository(repo: Path, scratch: Path) -> None:
             shutil.copy2(repo / name, scratch / name)
     for sweep in (scratch / "train_configs" / "sweeps").glob("*.toml"):
         data = tomllib.loads(sweep.read_text())
-        data.setdefault("overrides", {}).update({"training.steps": STEPS, "validation.steps": STEPS})
+        data.setdefault("overrides", {}).update({"training.steps": STEPS, "validation.steps": VALIDATION_STEPS})
         if "grid" in data:
             data["grid"] = {key: values[:1] for key, values in data["grid"].items()}
         if "runs" in data:
@@ -257,7 +262,7 @@ def copy_repository(repo: Path, scratch: Path) -> None:
     for ladder in (scratch / "train_configs" / "ladders").glob("*.toml"):
         data = tomllib.loads(ladder.read_text())
         data["bootstrap"] = 0
-        data.setdefault("overrides", {}).update({"lr_scheduler.warmup_steps": 2, "validation.steps": STEPS})
+        data.setdefault("overrides", {}).update({"lr_scheduler.warmup_steps": 2, "validation.steps": VALIDATION_STEPS})
         for table in (data, *data.get("rungs", [])):
             if "tokens" in table:
                 table["tokens"] = [int(tokens) // 32 for tokens in table["tokens"][:2]]
@@ -300,22 +305,31 @@ def check(command: Command, status: int, output: str) -> str:
     return ""
 
 
-def run(text: str, scratch: Path) -> tuple[int, str]:
-    """Run `text` with bash in `scratch`; the exit status and the output (stdout and stderr)."""
+def run(text: str, scratch: Path) -> tuple[int, str, float]:
+    """Run `text` with bash in `scratch`; the exit status, the output (stdout and stderr) and the CPU seconds of
+    bash and the processes it waited for (os.wait4's account of the one child; lanes run at once)."""
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                         "OMP_NUM_THREADS": "1"}  # a lane's commands keep to a core: threads that wait for each
     # other on a busy machine crawl (docs/benchmarks.md)
     process = subprocess.Popen(["bash", "-c", text], cwd=scratch, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(process.stdout.read()), daemon=True)
+    reader.start()
     try:
-        output = process.communicate(timeout=TIMEOUT)[0]
-    except subprocess.TimeoutExpired:  # bash itself may have ended, but something it started holds the output
-        os.killpg(process.pid, signal.SIGKILL)
-        return TIMED_OUT, process.communicate()[0] + f"\n[timed out after {TIMEOUT} s]"
+        reader.join(TIMEOUT)
+        timed_out = reader.is_alive()  # bash itself may have ended, but something it started holds the output
+        if timed_out:
+            os.killpg(process.pid, signal.SIGKILL)
+            reader.join()
+            output.append(f"\n[timed out after {TIMEOUT} s]")
+        _, status, usage = os.wait4(process.pid, 0)  # reaped here, with its account, rather than by Popen
     except BaseException:  # interrupted: leave no command running
         os.killpg(process.pid, signal.SIGKILL)
         raise
-    return process.returncode, output
+    process.returncode = os.waitstatus_to_exitcode(status)
+    process.stdout.close()
+    return TIMED_OUT if timed_out else process.returncode, "".join(output), usage.ru_utime + usage.ru_stime
 
 
 def run_command(command: Command, scratch: Path) -> Outcome:
@@ -323,8 +337,8 @@ def run_command(command: Command, scratch: Path) -> Outcome:
     if not ran:
         return Outcome(command)
     start = time.perf_counter()
-    status, output = run(ran, scratch)
-    return Outcome(command, ran, status, time.perf_counter() - start, output, check(command, status, output))
+    status, output, cpu = run(ran, scratch)
+    return Outcome(command, ran, status, time.perf_counter() - start, cpu, output, check(command, status, output))
 
 
 def by_document(commands: list[Command]) -> dict[str, list[Command]]:
@@ -378,20 +392,21 @@ def _cell(text: str) -> str:
 
 
 def report(outcomes: list[Outcome]) -> str:
-    rows = ["| where | command | status | s | first line of output | last line of output |",
-            "| --- | --- | --- | ---: | --- | --- |"]
+    rows = ["| where | command | status | s | CPU s | first line of output | last line of output |",
+            "| --- | --- | --- | ---: | ---: | --- | --- |"]
     for o in outcomes:
         if o.ran is None:
             reason = o.command.skip or "the install: the commands run in this environment"
-            rows.append(f"| {o.command.where} | `{_cell(o.command.text)}` | skipped | | {_cell(reason)} | |")
+            rows.append(f"| {o.command.where} | `{_cell(o.command.text)}` | skipped | | | {_cell(reason)} | |")
             continue
         lines = [line for line in o.output.splitlines() if line.strip()] or [""]
         status = f"{o.status}" + (f" ({o.problem})" if o.problem else "")
         rows.append(f"| {o.command.where} | `{_cell(o.ran)}` | {_cell(status)} | {o.seconds:.0f} | "
-                    f"{_cell(lines[0])} | {_cell(lines[-1])} |")
-    total = sum(o.seconds for o in outcomes)
+                    f"{o.cpu_seconds:.0f} | {_cell(lines[0])} | {_cell(lines[-1])} |")
+    total, cpu = sum(o.seconds for o in outcomes), sum(o.cpu_seconds for o in outcomes)
     failed = sum(bool(o.problem) for o in outcomes)
-    return "\n".join(rows) + f"\n\n{len(outcomes)} commands, {failed} not as documented, {total:.0f} s of commands\n"
+    return "\n".join(rows) + (f"\n\n{len(outcomes)} commands, {failed} not as documented, {total:.0f} s of commands, "
+                               f"{cpu:.0f} CPU s\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def progress(outcome: Outcome) -> None:
-        done = f"{outcome.status} in {outcome.seconds:.0f} s {outcome.problem}" if outcome.ran else "skipped"
+        done = "skipped" if not outcome.ran else (
+            f"{outcome.status} in {outcome.seconds:.0f} s ({outcome.cpu_seconds:.0f} CPU s) {outcome.problem}")
         print(f"{outcome.command.where}: {done}", file=sys.stderr, flush=True)
 
     start = time.perf_counter()

@@ -4,6 +4,7 @@ cannot leave its documentation behind."""
 
 import importlib
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -31,13 +32,40 @@ def test_a_documented_module_exists(module):
     assert importlib.util.find_spec(module) is not None, f"{module} is named in the docs but does not exist"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("scripts.")])
-def test_a_documented_tool_starts(module):
-    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+TOOLS = [m for m in MODULES if m.startswith("scripts.")]
+HELP = """
+import contextlib, io, json, runpy, sys
+started = {}
+for module in sys.argv[1:]:
+    sys.argv, out = [module, "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        status, out = 1, io.StringIO(f"{type(e).__name__}: {e}")
+    started[module] = (status, out.getvalue())
+print(json.dumps(started))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, tuple[int, str]]:
+    """Each tool's `python -m TOOL --help`, all in one process: one import of torch for them all."""
+    result = subprocess.run([sys.executable, "-c", HELP, *TOOLS], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage:" in result.stdout
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", TOOLS)
+def test_a_documented_tool_starts(module, helps):
+    status, output = helps[module]
+    assert status == 0, output[-2000:]
+    assert "usage:" in output
 
 
 def test_console_scripts_point_at_main_functions():

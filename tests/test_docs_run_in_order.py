@@ -5,9 +5,10 @@ two copies at once."""
 
 import subprocess
 
+import docs_commands
 import pytest
 from conftest import REPO
-from docs_commands import report, run_commands
+from docs_commands import TIMED_OUT, report, run, run_commands
 
 
 def describe(outcome) -> str:
@@ -47,3 +48,14 @@ def test_each_document_sees_what_the_readme_and_its_own_commands_wrote_and_nothi
     assert [o.command.where for o in outcomes if o.problem] == ["docs/c.md:3"]
     copies = [p for p in (tmp_path / "scratch").iterdir() if p.name != "first"]
     assert len(copies) == 1 and (copies[0] / "from_c").exists(), "only the failing document's copy is kept"
+
+
+def test_a_command_s_cpu_seconds_are_its_processes_and_one_past_the_timeout_is_killed_whole(tmp_path, monkeypatch):
+    burn = "python3 -c 'import time\nend = time.process_time() + 1\nwhile time.process_time() < end: pass'"
+    status, output, cpu = run(f"{burn} && echo burnt", tmp_path)
+    assert (status, output) == (0, "burnt\n") and 1.0 <= cpu < 3.0
+
+    monkeypatch.setattr(docs_commands, "TIMEOUT", 1)
+    status, output, _ = run("(sleep 60; echo late) & echo started", tmp_path)  # bash ends, its child holds the pipe
+    assert status == TIMED_OUT and output.startswith("started") and "late" not in output
+    assert "[timed out after 1 s]" in output
