@@ -157,10 +157,10 @@ def restarts_allowed(argv: list[str]) -> int:
     script (a config file and overrides), 0 where they do not load (the workers will say why)."""
     from torch.distributed import run as torchrun
 
-    from components.config import ConfigError, load_config
+    from components.config import ConfigError, read_key
 
     try:
-        return load_config(list(torchrun.parse_args(argv).training_script_args)).job.max_restarts
+        return read_key(list(torchrun.parse_args(argv).training_script_args), "job.max_restarts")
     except (ConfigError, OSError, ValueError):
         return 0
 

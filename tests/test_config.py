@@ -116,3 +116,20 @@ def test_configuration_reference_is_in_step_with_the_code():
     assert documented == markdown_reference(), (
         "regenerate: python -m components.config --markdown > docs/configuration.md"
     )
+
+
+def test_the_launcher_reads_a_key_as_load_config_does_without_the_model_family(monkeypatch):
+    """components/launch.py reads job.max_restarts before any worker starts: the same value as load_config, from
+    the file and the command line, checked the same way, but without importing the family (1.3 CPU-s per launch)."""
+    from components.config import loading, read_key
+
+    argv = ["--job.config_file", "debug_model.toml", "--job.max_restarts", "2"]
+    assert read_key(argv, "job.max_restarts") == load_config(argv).job.max_restarts == 2
+    monkeypatch.setattr(loading, "model_config_class", lambda name: pytest.fail(f"imported the family {name}"))
+    assert read_key(argv, "job.max_restarts") == 2
+    assert read_key(["--job.config_file", "debug_model.toml"], "job.max_restarts") == 0
+    assert read_key([*argv, "--model.name", "nosuchfamily"], "job.dump_folder") == "./outputs/debug_model"
+    with pytest.raises(ConfigError, match=r"job.max_restarts must be >= 0, got -1"):
+        read_key([*argv, "--job.max_restarts", "-1"], "job.max_restarts")
+    with pytest.raises(ConfigError, match=r"job.max_restarts must be int, got 'x'"):
+        read_key(["--job.max_restarts", "x"], "job.max_restarts")

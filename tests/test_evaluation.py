@@ -136,6 +136,14 @@ def evaluate_checkpoint(checkpoint, dump, nproc: int, flags: list[str]) -> dict:
     return {key: value for key, value in record.items() if key.startswith("eval/")}
 
 
+@pytest.fixture(scope="module")
+def one_process_scores(checkpoint, tmp_path_factory) -> dict:
+    """The checkpoint evaluated on one process: what every layout and scripts.eval must score."""
+    scores = evaluate_checkpoint(checkpoint, tmp_path_factory.mktemp("one_process"), 1, [])
+    assert scores["eval/shakespeare_next_line/acc"] > 0
+    return scores
+
+
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
@@ -147,11 +155,9 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_checkpoint_scores_the_same_under_every_layout(checkpoint, tmp_path, layout):
+def test_a_checkpoint_scores_the_same_under_every_layout(checkpoint, one_process_scores, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
-    reference = evaluate_checkpoint(checkpoint, tmp_path / "one", 1, [])
-    assert reference["eval/shakespeare_next_line/acc"] > 0
-    assert evaluate_checkpoint(checkpoint, tmp_path / layout, nproc, flags) == reference
+    assert evaluate_checkpoint(checkpoint, tmp_path / layout, nproc, flags) == one_process_scores
 
 
 MOE = ["--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "--training.seq_len", "64",
@@ -177,13 +183,12 @@ def run_eval(nproc: int, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_scripts_eval_on_two_processes_equals_the_in_loop_evaluation(checkpoint, tmp_path):
-    in_loop = evaluate_checkpoint(checkpoint, tmp_path / "loop", 1, [])
+def test_scripts_eval_on_two_processes_equals_the_in_loop_evaluation(checkpoint, one_process_scores, tmp_path):
     result = run_eval(2, "--checkpoint", checkpoint, "--tasks", TASK, "--limit", "24", "--json", tmp_path / "r.json")
     assert result.returncode == 0, result.stderr[-3000:]
     offline = json.loads((tmp_path / "r.json").read_text())["shakespeare_next_line"]
     assert offline["examples"] == 24
-    assert {f"eval/shakespeare_next_line/{m}": offline[m] for m in ("acc", "acc_norm")} == in_loop
+    assert {f"eval/shakespeare_next_line/{m}": offline[m] for m in ("acc", "acc_norm")} == one_process_scores
     assert result.stdout.splitlines()[0] == "| task | examples | acc | acc_norm |"
     assert result.stdout.count("| shakespeare_next_line | 24 |") == 1  # rank 0 prints, once
 

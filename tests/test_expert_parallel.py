@@ -4,14 +4,11 @@ process (the same global batches, per-step losses and gradient norms at the same
 on the default config's data and on the packed corpus); a checkpoint
 saved at one ep degree resumes at another and exports like one process's."""
 
-import os
-import re
 import shutil
-import subprocess
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, REPO, losses, metric_lines, reference_runs, torchrun
+from conftest import ON_HF, ON_PACKED, losses, metric_lines, reference_runs, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -117,22 +114,6 @@ def test_expert_parallelism_is_refused_for_a_model_without_experts(tmp_path):
     with pytest.raises(AssertionError, match=r"parallelism.expert_parallel_degree 2 needs a mixture-of-experts "
                                              r"model; llama3 debugmodel has none"):
         torchrun(2, args)
-
-
-def test_the_commands_of_the_moe_doc_train(tmp_path):
-    """docs/moe.md's two commands, cut short (later arguments win)."""
-    doc = (REPO / "docs" / "moe.md").read_text()
-    commands = re.findall(r"^((?:\w+=\S+ )+)\./run_train\.sh (.+)$", doc, re.M)
-    assert len(commands) == 2
-    for i, (env_text, args) in enumerate(commands):
-        env = dict(os.environ, OMP_NUM_THREADS="1", **dict(v.split("=") for v in env_text.split()))
-        short = ["--training.steps", "2", "--training.seq_len", "64", "--model.n_layers", "2",
-                 "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
-                 "--job.dump_folder", str(tmp_path / str(i))]
-        run = subprocess.run(["./run_train.sh", *args.split(), *short], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert sorted(losses(tmp_path / str(i))) == [1, 2]
 
 
 def test_export_of_a_checkpoint_saved_under_expert_parallelism_equals_one_process(tmp_path):

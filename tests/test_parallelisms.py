@@ -61,8 +61,9 @@ LAYOUTS = {  # name: (processes, arguments), data
                                          extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
                                   "packed"),
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
-    # allgather's bottom-right causal masks (made outside the graph) inside compiled blocks.
-    "cp2_dp_shard2_compile": (layout(cp=2, dp_shard=2, extra=[*COMPILE]), "hf"),
+    # allgather's bottom-right causal masks (made outside the graph) inside compiled blocks (FSDP with compiled
+    # blocks: the dp_shard2_tp2_compile layouts below; each rank compiles alone, so 2 ranks cost half of 4).
+    "cp2_compile": (layout(cp=2, extra=[*COMPILE]), "hf"),
     "cp2_tp2_documents": (layout(cp=2, tp=2), "documents"),
     # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
     # the ring's sends stay out of compiled blocks (refused with compiled checkpointed ones) and run again when a
@@ -90,7 +91,7 @@ LAYOUTS = {  # name: (processes, arguments), data
     "tp2_compile_full_ac": (layout(tp=2, extra=[*COMPILE, "--activation_checkpoint.mode", "full"]), "packed"),
     "dp_shard2_tp2_compile_selective_2": (layout(dp_shard=2, tp=2, extra=[*COMPILE, "--activation_checkpoint.mode",
                                                                          "selective"]), "packed"),
-    "dp_shard2_tp2_compile_selective_op": (layout(dp_shard=2, tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
+    "tp2_compile_selective_op": (layout(tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
 }
 DATA = {"hf": ON_HF, "packed": ON_PACKED,
         "documents": [*ON_PACKED, "--training.document_masking", "true", "--model.rope_per_document", "true"]}

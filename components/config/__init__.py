@@ -13,6 +13,7 @@ from components.config.loading import (
     git_commit,
     load_config,
     model_config_class,
+    read_key,
     resolve_config_file,
     to_toml,
 )
@@ -57,5 +58,6 @@ __all__ = [
     "REPO_ROOT", "SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Config", "ConfigError",
     "Evaluation", "FaultTolerance", "Float8", "Job", "LRScheduler", "Metrics", "Model", "MoE", "Optimizer",
     "Parallelism", "Profiling", "Range", "Training", "Validation", "all_keys", "all_ranges", "dump_config",
-    "field_types", "git_commit", "load_config", "model_config_class", "resolve_config_file", "to_toml",
+    "field_types", "git_commit", "load_config", "model_config_class", "read_key", "resolve_config_file",
+    "to_toml",
 ]

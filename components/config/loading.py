@@ -59,10 +59,13 @@ def check_ranges(config: Config) -> None:
     """Refuse the first numeric key whose value (when set) is out of its range, naming both."""
     for key, allowed in all_ranges(config).items():
         section, _, name = key.partition(".")
-        value = getattr(getattr(config, section), name)
-        if value is not None and not allowed.allows(value):
-            finite = "" if math.isfinite(value) else "finite and "
-            raise ConfigError(f"{key} must be {finite}{allowed.describe()}, got {value!r}")
+        _check_range(key, getattr(getattr(config, section), name), allowed)
+
+
+def _check_range(key: str, value, allowed: Range) -> None:
+    if value is not None and not allowed.allows(value):
+        finite = "" if math.isfinite(value) else "finite and "
+        raise ConfigError(f"{key} must be {finite}{allowed.describe()}, got {value!r}")
 
 
 def _nearest(name: str, candidates: list[str]) -> str:
@@ -184,14 +187,37 @@ def _read_file(path: Path) -> list[tuple[str, object]]:
     return pairs
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file named by the last --job.config_file, then the other overrides."""
-    overrides = _split_cli(sys.argv[1:] if argv is None else argv)
+def _assignments(argv: list[str]) -> tuple[Path | None, list[tuple[str, object, str]]]:
+    """The config file the last --job.config_file names, and every (key, value, where it came from) in the order
+    they apply: the file's keys first, then the command line's."""
+    overrides = _split_cli(argv)
     config_files = [v for k, v in overrides if k == "job.config_file"]
     path = resolve_config_file(config_files[-1]) if config_files else None
-    # (key, value, where it came from): the file's keys first, then the command line's.
     assignments = [(key, value, f"{path}: ") for key, value in (_read_file(path) if path else [])]
     assignments += [(key, value, "") for key, value in overrides if key != "job.config_file"]
+    return path, assignments
+
+
+def read_key(argv: list[str], key: str):
+    """The value load_config(argv) gives one key outside [model], without importing the model family (which
+    imports its parallelisms and torch's checkpointing, 1.3 CPU-s): the launcher reads job.max_restarts so. The
+    other keys are not checked here; the workers' load_config refuses a bad one."""
+    section, _, name = key.partition(".")
+    value, type_ = getattr(SECTIONS[section](), name), field_types(SECTIONS[section])[name]
+    for assigned, assigned_value, source in _assignments(argv)[1]:
+        if assigned == key:
+            try:
+                value = _convert(key, assigned_value, type_)
+            except ConfigError as e:
+                raise ConfigError(f"{source}{e}") from None
+    if key in RANGES:
+        _check_range(key, value, RANGES[key])
+    return value
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file named by the last --job.config_file, then the other overrides."""
+    path, assignments = _assignments(sys.argv[1:] if argv is None else argv)
     family = Model.name
     for key, value, source in assignments:
         if key == "model.name":
