@@ -136,11 +136,16 @@ def _set(config: Config, key: str, value) -> None:
             raise ConfigError(f"unknown config key '{key}': the model family {family} does not define it; its keys "
                               f"are {', '.join(types_)} (models/{family}/config.py)")
         raise ConfigError(f"unknown config key '{key}'{_nearest(key, all_keys(config))}")
-    value = _convert(key, value, types_[name])
+    setattr(getattr(config, section), name, _checked(key, value, types_[name]))
+
+
+def _checked(key: str, value, type_):
+    """A value of `key` converted to its type and refused when it is not one of the key's choices."""
+    value = _convert(key, value, type_)
     choices = CHOICES.get(key)
     if choices and value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-    setattr(getattr(config, section), name, value)
+    return value
 
 
 def resolve_config_file(path: str) -> Path:
@@ -207,7 +212,7 @@ def read_key(argv: list[str], key: str):
     for assigned, assigned_value, source in _assignments(argv)[1]:
         if assigned == key:
             try:
-                value = _convert(key, assigned_value, type_)
+                value = _checked(key, assigned_value, type_)
             except ConfigError as e:
                 raise ConfigError(f"{source}{e}") from None
     if key in RANGES:
