@@ -95,16 +95,21 @@ def initial_weights(dump: Path) -> dict:
     return weights
 
 
-def reference_runs(tmp_path_factory, base: list[str], sources: dict[str, list[str]]) -> dict[str, Path]:
-    """Single-process runs of `base` (at a local batch of 8) on each data source, by name: the runs that the
-    parity tests compare their layouts with."""
+def train_main(argv: list[str]) -> int:
+    """train.main in this process (one rank): its exit status."""
     sys.path.insert(0, str(REPO))
     import train
 
+    return train.main(argv)
+
+
+def reference_runs(tmp_path_factory, base: list[str], sources: dict[str, list[str]]) -> dict[str, Path]:
+    """Single-process runs of `base` (at a local batch of 8) on each data source, by name: the runs that the
+    parity tests compare their layouts with."""
     dumps = {}
     for name, source in sources.items():
         dumps[name] = tmp_path_factory.mktemp(f"reference_{name}")
-        assert train.main([*base, *source, "--training.local_batch_size", "8", "--job.dump_folder",
+        assert train_main([*base, *source, "--training.local_batch_size", "8", "--job.dump_folder",
                            str(dumps[name])]) == 0
     return dumps
 
@@ -120,11 +125,7 @@ def val_losses(dump: Path) -> dict[int, float]:
 
 @pytest.fixture
 def train_in_process():
-    """Run train.main in this process (one rank) and return its exit code."""
-    sys.path.insert(0, str(REPO))
-    import train
-
-    return train.main
+    return train_main
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -146,6 +147,15 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(launch, "visible_gpus", lambda: [])
 
 
+def on_ranks(fn, nprocs: int, *args) -> None:
+    """fn(rank, *args) on `nprocs` processes forked from this one; a failure on any rank fails the caller. Forked,
+    they start with torch and the test's module imported (mp.spawn's fresh interpreters import them again: 3 to 4
+    CPU-seconds a process)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+
+
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -155,6 +165,46 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
         raise AssertionError(f"torchrun failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def torchrun_runs(runs: dict[str, tuple[int, list[str]]], folder: Path,
+                  timeout: int = 1800) -> dict[str, tuple[Path, str]]:
+    """Runs by name, each its number of processes and its train.py arguments, trained one after the other in one
+    launch per number of processes (tests/train_runs.py): the layout tests' many tiny runs pay for starting Python and
+    importing torch once. By name: the run's dump folder (in `folder`), and "" where every rank exited 0, else what
+    went wrong and the run's output."""
+    outcomes = {}
+    for nproc in sorted({nproc for nproc, _ in runs.values()}):
+        launch = {name: [*args, "--job.dump_folder", str(folder / name)] for name, (n, args) in runs.items()
+                  if n == nproc}
+        outcomes |= {name: (folder / name, problem) for name, problem in _launch_runs(nproc, launch, timeout).items()}
+    return outcomes
+
+
+def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int) -> dict[str, str]:
+    from train_runs import RUN_START
+
+    with tempfile.TemporaryDirectory() as scratch:
+        runs_file, status_file = Path(scratch) / "runs.json", Path(scratch) / "status.jsonl"
+        runs_file.write_text(json.dumps(runs))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(REPO / "tests/train_runs.py"), str(runs_file), str(status_file)]
+        try:
+            output = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, timeout=timeout).stdout
+        except subprocess.TimeoutExpired as e:
+            output = (e.stdout or b"").decode() + f"\n[the launch timed out after {timeout} s]"
+        statuses: dict[str, list[int]] = {}
+        for line in status_file.read_text().splitlines() if status_file.exists() else []:
+            record = json.loads(line)
+            statuses.setdefault(record["run"], []).append(record["status"])
+    own = dict(part.split("\n", 1) for part in output.split(RUN_START)[1:] if "\n" in part)
+    problems = {}
+    for name in runs:
+        got = statuses.get(name, [])
+        problems[name] = "" if len(got) == nproc and not any(got) else \
+            f"exit statuses {got} of {nproc} ranks:\n{own.get(name, output)[-6000:]}"
+    return problems
 
 
 FIRST = "test_docs_run_in_order.py"

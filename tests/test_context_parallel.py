@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -257,7 +257,7 @@ def test_allgather_attention_of_a_rank_s_zigzag_chunks_is_causal_attention_forwa
 
 def run_ranks(check, cp_size: int, tmp_path) -> None:
     """Run `check(cp_mesh)` on cp_size gloo processes; a failure on any rank fails the test."""
-    mp.spawn(_worker, args=(cp_size, str(tmp_path / "store"), check), nprocs=cp_size)
+    on_ranks(_worker, cp_size, cp_size, str(tmp_path / "store"), check)
 
 
 def _worker(rank: int, cp_size: int, store_path: str, check) -> None:

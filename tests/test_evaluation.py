@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY, build_model, metric_lines, tiny_model_args, torchrun
+from conftest import REPO, TINY, build_model, metric_lines, tiny_model_args, torchrun_runs, train_main
 
 from components.config import load_config
 from components.evaluation.scoring import (
@@ -122,26 +122,29 @@ def test_evaluation_never_changes_the_training_trajectory(tmp_path, train_in_pro
 def checkpoint(tmp_path_factory):
     """A tiny model trained 6 steps on one process."""
     dump = tmp_path_factory.mktemp("trained")
-    torchrun(1, [*TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "6",
-                 "--job.dump_folder", str(dump)])
+    assert train_main([*TINY, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "6",
+                "--job.dump_folder", str(dump)]) == 0
     return dump / "checkpoint" / "step-6"
 
 
-def evaluate_checkpoint(checkpoint, dump, nproc: int, flags: list[str]) -> dict:
-    """The accuracies of one evaluation of the checkpoint's weights: one step at lr 0 (the weights
-    stay as loaded), then the evaluation."""
-    torchrun(nproc, [*TINY, *EVAL, "--checkpoint.initial_load_path", str(checkpoint), "--optimizer.lr", "0",
-                     "--training.steps", "1", "--evaluation.freq", "1", "--job.dump_folder", str(dump), *flags])
-    record = eval_records(dump)[1]
-    return {key: value for key, value in record.items() if key.startswith("eval/")}
+def evaluation_of(checkpoint) -> list[str]:
+    """A run that evaluates the checkpoint's weights once: one step at lr 0 (the weights stay as loaded), then the
+    evaluation."""
+    return [*TINY, *EVAL, "--checkpoint.initial_load_path", str(checkpoint), "--optimizer.lr", "0",
+            "--training.steps", "1", "--evaluation.freq", "1"]
+
+
+def scores(dump) -> dict:
+    return {key: value for key, value in eval_records(dump)[1].items() if key.startswith("eval/")}
 
 
 @pytest.fixture(scope="module")
 def one_process_scores(checkpoint, tmp_path_factory) -> dict:
     """The checkpoint evaluated on one process: what every layout and scripts.eval must score."""
-    scores = evaluate_checkpoint(checkpoint, tmp_path_factory.mktemp("one_process"), 1, [])
-    assert scores["eval/shakespeare_next_line/acc"] > 0
-    return scores
+    dump = tmp_path_factory.mktemp("one_process")
+    assert train_main([*evaluation_of(checkpoint), "--job.dump_folder", str(dump)]) == 0
+    assert scores(dump)["eval/shakespeare_next_line/acc"] > 0
+    return scores(dump)
 
 
 LAYOUTS = {
@@ -153,24 +156,33 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_checkpoint_scores_the_same_under_every_layout(checkpoint, one_process_scores, tmp_path, layout):
-    nproc, flags = LAYOUTS[layout]
-    assert evaluate_checkpoint(checkpoint, tmp_path / layout, nproc, flags) == one_process_scores
-
-
 MOE = ["--job.config_file", "debug_moe.toml", "--model.n_layers", "2", "--training.seq_len", "64",
        "--training.local_batch_size", "4", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
        "--training.steps", "2", "--evaluation.freq", "2", "--optimizer.lr", "0", *EVAL]
 
 
+@pytest.fixture(scope="module")
+def layout_runs(checkpoint, tmp_path_factory):
+    """The checkpoint evaluated under every layout, and the MoE model under expert parallelism 2."""
+    runs = {name: (nproc, [*evaluation_of(checkpoint), *flags]) for name, (nproc, flags) in LAYOUTS.items()}
+    runs["moe_ep2"] = (2, [*MOE, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"])
+    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
+
+
 @pytest.mark.slow
-def test_a_mixture_of_experts_model_scores_the_same_with_expert_parallelism(tmp_path):
-    torchrun(1, [*MOE, "--job.dump_folder", str(tmp_path / "one")])
-    torchrun(2, [*MOE, "--job.dump_folder", str(tmp_path / "ep2"), "--training.local_batch_size", "2",
-                 "--parallelism.expert_parallel_degree", "2"])
-    one, ep2 = eval_records(tmp_path / "one")[2], eval_records(tmp_path / "ep2")[2]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_checkpoint_scores_the_same_under_every_layout(layout_runs, one_process_scores, layout):
+    dump, problem = layout_runs[layout]
+    assert not problem, problem
+    assert scores(dump) == one_process_scores
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_model_scores_the_same_with_expert_parallelism(tmp_path, layout_runs):
+    assert train_main([*MOE, "--job.dump_folder", str(tmp_path / "one")]) == 0
+    dump, problem = layout_runs["moe_ep2"]
+    assert not problem, problem
+    one, ep2 = eval_records(tmp_path / "one")[2], eval_records(dump)[2]
     assert {k: v for k, v in one.items() if k.startswith("eval/")} == {
         k: v for k, v in ep2.items() if k.startswith("eval/")}
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, losses, metric_lines, reference_runs, torchrun
+from conftest import ON_HF, ON_PACKED, losses, metric_lines, reference_runs, torchrun, torchrun_runs
 
 pytestmark = pytest.mark.slow
 
@@ -63,22 +63,29 @@ def reference(references):
     return references["packed"]
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Every layout's dump folder and what went wrong ("" if nothing), by name."""
+    runs = {name: (nproc, [*BASE, *DATA[data], *args]) for name, ((nproc, args), data) in LAYOUTS.items()}
+    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_expert_parallel_layout_matches_one_process(name, references, tmp_path):
-    (nproc, args), data = LAYOUTS[name]
-    reference = references[data]
-    torchrun(nproc, [*BASE, *DATA[data], *args, "--job.dump_folder", str(tmp_path)])
-    got, expected = losses(tmp_path), losses(reference)
+def test_expert_parallel_layout_matches_one_process(name, references, layout_runs):
+    dump, problem = layout_runs[name]
+    assert not problem, problem
+    reference = references[LAYOUTS[name][1]]
+    got, expected = losses(dump), losses(reference)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert [m["data_hash"] for m in metric_lines(tmp_path) if "loss" in m] == \
+    assert [m["data_hash"] for m in metric_lines(dump) if "loss" in m] == \
         [m["data_hash"] for m in metric_lines(reference) if "loss" in m]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
     if name.startswith("pp2"):  # the routing of torch's shape inference on placeholders is not counted (it was)
         assert got == pytest.approx(expected, rel=1e-6, abs=0)
     for step, norm in grad_norms(reference).items():
-        assert grad_norms(tmp_path)[step] == pytest.approx(norm, rel=1e-3), (name, step)
-    moe_records = [m for m in metric_lines(tmp_path) if "loss" in m]
+        assert grad_norms(dump)[step] == pytest.approx(norm, rel=1e-3), (name, step)
+    moe_records = [m for m in metric_lines(dump) if "loss" in m]
     assert all(m["moe_max_load"] >= 1 and "moe_aux_loss" in m for m in moe_records)
 
 

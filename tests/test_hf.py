@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import REPO, TINY, build_model, losses, torchrun  # noqa: E402
+from conftest import REPO, TINY, build_model, losses, torchrun, torchrun_runs  # noqa: E402
 
 import models.llama3 as llama  # noqa: E402
 from components import hf_export  # noqa: E402
@@ -231,10 +231,11 @@ def test_training_from_an_hf_folder_starts_alike_on_one_and_two_processes(tmp_pa
         "fsdp2": ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"],
         "pp2": ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"],
     }
-    for name, layout in layouts.items():
-        torchrun(2, [*common, *layout, "--job.dump_folder", str(tmp_path / name)])
-        print(f"\nfirst loss from an HF folder: 1 process {first:.7f}, {name} {losses(tmp_path / name)[1]:.7f}")
-        assert losses(tmp_path / name)[1] == pytest.approx(first, rel=1e-5), name
+    for name, (dump, problem) in torchrun_runs({name: (2, [*common, *layout]) for name, layout in layouts.items()},
+                                               tmp_path).items():
+        assert not problem, problem
+        print(f"\nfirst loss from an HF folder: 1 process {first:.7f}, {name} {losses(dump)[1]:.7f}")
+        assert losses(dump)[1] == pytest.approx(first, rel=1e-5), name
     # The same weights through the import command and a DCP checkpoint.
     run_hf("import", *SMALL, "--hf", source, "--output", tmp_path / "dcp")
     assert train_in_process([*common, "--training.local_batch_size", "8",

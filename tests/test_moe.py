@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -167,7 +167,7 @@ def _check_expert_parallel(rank: int, world: int, args: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world,args", [(2, {}), (4, {"num_shared_experts": 1, "score_func": "sigmoid"})])
 def test_expert_parallel_outputs_and_gradients_match_one_process(world, args, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), args), nprocs=world)
+    on_ranks(_worker, world, world, str(tmp_path / "store"), args)
 
 
 def test_experts_must_divide_over_the_expert_parallel_ranks():

@@ -7,8 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import ON_HF, TINY, build_model, losses, tiny_model_args, torchrun
+from conftest import ON_HF, TINY, build_model, losses, on_ranks, tiny_model_args, torchrun_runs
 
 from components.config import ConfigError, LRScheduler, Optimizer as OptimizerConfig
 from components.muon import Muon, newton_schulz, orthogonalise
@@ -92,7 +91,7 @@ def _sharded_equals_whole(rank: int, world_size: int, init_file: str) -> None:
 
 @pytest.mark.slow
 def test_a_sharded_matrix_is_orthogonalised_whole(tmp_path):
-    mp.spawn(_sharded_equals_whole, args=(4, str(tmp_path / "init")), nprocs=4)
+    on_ranks(_sharded_equals_whole, 4, 4, str(tmp_path / "init"))
 
 
 def test_muon_takes_the_block_matrices_and_adamw_the_rest():
@@ -233,34 +232,49 @@ def assert_matches(got: dict[int, float], expected: dict[int, float]) -> None:
         assert loss == pytest.approx(expected[step], rel=1e-4), (step, loss, expected[step])
 
 
+EP2 = ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
+       "--parallelism.expert_parallel_degree", "2"]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """The dump folder of every layout, of FSDP 2 saving checkpoints and of the MoE model under expert parallelism,
+    and what went wrong ("" if nothing), by name."""
+    runs = {name: (nproc, [*MUON, *args, "--checkpoint.enable", "false"]) for name, (nproc, args) in LAYOUTS.items()}
+    runs["fsdp2_checkpoints"] = (2, [*MUON, *layout(dp_shard=2)[1], "--checkpoint.enable", "true",
+                                     "--checkpoint.interval", "3"])
+    runs["moe_ep2"] = (2, [*MOE, *ON_HF, *EP2])
+    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_muon_under_a_layout_matches_one_process(name, reference, tmp_path):
-    nproc, args = LAYOUTS[name]
-    torchrun(nproc, [*MUON, *args, "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)])
-    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
-    assert_matches(losses(tmp_path), losses(reference[0]))
+def test_muon_under_a_layout_matches_one_process(name, reference, layout_runs):
+    dump, problem = layout_runs[name]
+    assert not problem, problem
+    assert sorted(losses(dump)) == list(range(1, STEPS + 1))
+    assert_matches(losses(dump), losses(reference[0]))
 
 
 @pytest.mark.slow
-def test_muon_under_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(reference, tmp_path, train_in_process):
+def test_muon_under_fsdp2_matches_one_process_and_its_checkpoint_resumes_on_one(reference, layout_runs,
+                                                                                train_in_process):
     """FSDP over 2 processes trains like one; its step-3 checkpoint (momentum sharded over 2 ranks)
     then resumes in one process, and the curve goes on as the single-process run's."""
-    nproc, fsdp2 = layout(dp_shard=2)
-    checkpoints = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-    torchrun(nproc, [*MUON, *fsdp2, *checkpoints, "--job.dump_folder", str(tmp_path)])
-    assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
-    assert_matches(losses(tmp_path), losses(reference[0]))
-    assert_matches(resume_from_step_3(tmp_path, reference[1], train_in_process), losses(reference[0]))
+    dump, problem = layout_runs["fsdp2_checkpoints"]
+    assert not problem, problem
+    assert sorted(losses(dump)) == list(range(1, STEPS + 1))
+    assert_matches(losses(dump), losses(reference[0]))
+    assert_matches(resume_from_step_3(dump, reference[1], train_in_process), losses(reference[0]))
 
 
 @pytest.mark.slow
-def test_muon_under_expert_parallelism_matches_one_process(tmp_path, train_in_process):
+def test_muon_under_expert_parallelism_matches_one_process(tmp_path, layout_runs, train_in_process):
     """Experts split over 2 ranks (each holds whole expert matrices) train like one process, on the default
     config's data."""
     assert train_in_process([*MOE, *ON_HF, "--training.local_batch_size", "8", "--job.dump_folder",
                              str(tmp_path / "one")]) == 0
-    torchrun(2, [*MOE, *ON_HF, "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
-                 "--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "ep2")])
-    assert sorted(losses(tmp_path / "ep2")) == list(range(1, STEPS + 1))
-    assert_matches(losses(tmp_path / "ep2"), losses(tmp_path / "one"))
+    ep2, problem = layout_runs["moe_ep2"]
+    assert not problem, problem
+    assert sorted(losses(ep2)) == list(range(1, STEPS + 1))
+    assert_matches(losses(ep2), losses(tmp_path / "one"))

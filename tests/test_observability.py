@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, metric_lines, torchrun
+from conftest import TINY, metric_lines, torchrun_runs
 
 from components.metrics import peak_flops
 
@@ -63,9 +63,10 @@ def test_per_layer_metrics_are_logged_and_layout_independent(tmp_path, train_in_
         "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
         "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     }
-    for name, layout in layouts.items():
-        torchrun(2, [*PER_LAYER, *layout, "--job.dump_folder", str(tmp_path / name)])
-        got = layer_records(tmp_path / name)
+    for name, (dump, problem) in torchrun_runs({name: (2, [*PER_LAYER, *layout]) for name, layout in layouts.items()},
+                                               tmp_path).items():
+        assert not problem, problem
+        got = layer_records(dump)
         # A pipeline's first step is not measured (see train.py).
         assert sorted(got) == ([2, 3] if name == "pp2" else [1, 2, 3])
         for step in got:

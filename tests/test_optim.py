@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from conftest import on_ranks
 
 from components.config import LRScheduler, Optimizer as OptimizerConfig
 from components.optim import LRSchedule, Optimizers, lr_factor
@@ -81,4 +82,4 @@ def _partial_gradients(rank: int, store_path: str) -> None:
 def test_partial_gradients_are_reduced_to_their_parameters_placements_before_the_norm_and_the_step(tmp_path):
     """The tensor-parallel QK-norm weights' gradients are Partial after backward; torch 2.11's foreach AdamW read
     their local shares as whole. clip_grad_norm reduces them first: each rank then holds the whole gradient."""
-    torch.multiprocessing.spawn(_partial_gradients, args=(str(tmp_path / "store"),), nprocs=2)
+    on_ranks(_partial_gradients, 2, str(tmp_path / "store"))

@@ -19,6 +19,7 @@ from conftest import (
     metric_lines,
     reference_runs,
     torchrun,
+    torchrun_runs,
     val_losses,
 )
 
@@ -170,19 +171,26 @@ def reference(references):
     return references["packed"]
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Every layout's dump folder and what went wrong ("" if nothing), by name."""
+    runs = {name: (nproc, [*BASE, *DATA[data], *args]) for name, ((nproc, args), data) in LAYOUTS.items()}
+    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(name, references, tmp_path):
-    (nproc, args), data = LAYOUTS[name]
-    reference = references[data]
-    torchrun(nproc, [*BASE, *DATA[data], *args, "--job.dump_folder", str(tmp_path)])
-    got, expected = losses(tmp_path), losses(reference)
+def test_layout_matches_one_process(name, references, layout_runs):
+    dump, problem = layout_runs[name]
+    assert not problem, problem
+    reference = references[LAYOUTS[name][1]]
+    got, expected = losses(dump), losses(reference)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert data_hashes(tmp_path) == data_hashes(reference)  # the same token ids in every global batch
+    assert data_hashes(dump) == data_hashes(reference)  # the same token ids in every global batch
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
-    assert val_losses(tmp_path)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
+    assert val_losses(dump)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
     # The weights' norm is the whole model's whatever the layout: sharded, split into stages or offloaded.
-    assert param_norms(tmp_path) == pytest.approx(param_norms(reference), rel=1e-5)
+    assert param_norms(dump) == pytest.approx(param_norms(reference), rel=1e-5)
 
 
 def data_hashes(dump) -> dict[int, int]:
@@ -217,9 +225,11 @@ def test_the_initial_weights_are_the_same_bits_under_every_layout_and_with_cpu_o
     one = tmp_path / "one"
     assert train_in_process([*args, "--training.local_batch_size", "8", "--job.dump_folder", str(one)]) == 0
     reference = initial_weights(one)
-    for name, (nproc, extra) in {"fsdp2_offload": layout(dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
-                                 "tp2": layout(tp=2), "pp2": layout(pp=2)}.items():
-        torchrun(nproc, [*args, *extra, "--job.dump_folder", str(tmp_path / name)])
-        weights = initial_weights(tmp_path / name)
+    layouts = {"fsdp2_offload": layout(dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
+               "tp2": layout(tp=2), "pp2": layout(pp=2)}
+    runs = torchrun_runs({name: (nproc, [*args, *extra]) for name, (nproc, extra) in layouts.items()}, tmp_path)
+    for name, (dump, problem) in runs.items():
+        assert not problem, problem
+        weights = initial_weights(dump)
         assert weights.keys() == reference.keys()
         assert all(torch.equal(weights[k], reference[k]) for k in reference), name

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from components.config import Config, ConfigError
@@ -256,7 +256,7 @@ def schedule_results(tmp_path_factory):
     """One pair of processes runs every offered schedule: {schedule: [problems on rank 0 and 1]}."""
     tmp = tmp_path_factory.mktemp("pipeline")
     names = [name for name in offered_schedules() if not gloo_cannot_run(name)]
-    mp.spawn(_worker, args=(2, str(tmp / "store"), str(tmp / "results"), names), nprocs=2)
+    on_ranks(_worker, 2, 2, str(tmp / "store"), str(tmp / "results"), names)
     per_rank = [json.loads((tmp / f"results.{rank}").read_text()) for rank in range(2)]
     return {name: [f"rank {rank}: {p}" for rank in range(2) for p in per_rank[rank][name]] for name in names}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, build_model, losses, metric_lines, tiny_model_args, torchrun, val_losses
+from conftest import REPO, TINY, build_model, losses, metric_lines, tiny_model_args, torchrun_runs, val_losses
 
 import models.llama3.model as llama
 from components.config import load_config
@@ -183,21 +183,31 @@ def assert_same_curves(one: Path, other: Path) -> None:
         assert curve(other) == pytest.approx(curve(one), rel=1e-4), curve.__name__
 
 
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    """PARITY under TP 2 (saving a checkpoint) and PP 2, in one launch: their dump folders and what went wrong."""
+    runs = {"tp2": (2, [*PARITY, "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+                        "--parallelism.tensor_parallel_degree", "2"]),
+            "pp2": (2, [*PARITY, "--parallelism.pipeline_parallel_degree", "2"])}
+    return torchrun_runs(runs, tmp_path_factory.mktemp("parallel"))
+
+
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process_z_loss_and_qk_norm_weights_included(single, tmp_path):
+def test_tensor_parallel_matches_one_process_z_loss_and_qk_norm_weights_included(single, parallel_runs):
     """Loss parallel: the z-loss from the vocabulary shards; the QK-norm weights are replicated and get the
     gradients of every rank's heads, so they end as on one process."""
-    torchrun(2, [*PARITY, "--checkpoint.enable", "true", "--checkpoint.interval", "4",
-                 "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
-    assert_same_curves(single, tmp_path)
-    alone, split = (qk_norm_weights(dump / "checkpoint" / "step-4") for dump in (single, tmp_path))
+    dump, problem = parallel_runs["tp2"]
+    assert not problem, problem
+    assert_same_curves(single, dump)
+    alone, split = (qk_norm_weights(run / "checkpoint" / "step-4") for run in (single, dump))
     assert max((alone[k] - 1).abs().max() for k in alone) > 1e-3  # trained
     assert max((alone[k] - split[k]).abs().max() for k in alone) < 1e-5
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_matches_one_process(single, tmp_path):
+def test_pipeline_parallel_matches_one_process(single, parallel_runs):
     """The z-loss comes from the last stage, through the schedule's loss function, over 4 micro-batches
     per batch and 2 batches per step."""
-    torchrun(2, [*PARITY, "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
-    assert_same_curves(single, tmp_path)
+    dump, problem = parallel_runs["pp2"]
+    assert not problem, problem
+    assert_same_curves(single, dump)
