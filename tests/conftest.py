@@ -148,12 +148,17 @@ def no_launch(monkeypatch):
 
 
 def on_ranks(fn, nprocs: int, *args) -> None:
-    """fn(rank, *args) on `nprocs` processes forked from this one; a failure on any rank fails the caller. Forked,
-    they start with torch and the test's module imported (mp.spawn's fresh interpreters import them again: 3 to 4
-    CPU-seconds a process)."""
+    """fn(rank, *args) on `nprocs` processes; a failure on any rank fails the caller. They are forked from a
+    fork server that imported torch once for this test process: mp.spawn's fresh interpreters import it again (3 to
+    4 CPU-seconds a process), and a fork of the test process itself copies its threads' locks (pytest-xdist's, a
+    thread pool's), which can hang the child. Children of the fork server, they are left out of the CPU that
+    pytest_runtest_makereport gives each test."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.tensor"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
