@@ -161,11 +161,15 @@ def on_ranks(fn, nprocs: int, *args) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+def _torchrun_command(nproc: int, script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(REPO / script), *args]
+
+
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(REPO / "train.py"), *args]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(_torchrun_command(nproc, "train.py", *args), cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
@@ -192,8 +196,7 @@ def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int) -> dict[s
     with tempfile.TemporaryDirectory() as scratch:
         runs_file, status_file = Path(scratch) / "runs.json", Path(scratch) / "status.jsonl"
         runs_file.write_text(json.dumps(runs))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               str(REPO / "tests/train_runs.py"), str(runs_file), str(status_file)]
+        cmd = _torchrun_command(nproc, "tests/train_runs.py", str(runs_file), str(status_file))
         try:
             output = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, timeout=timeout).stdout

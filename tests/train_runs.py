@@ -7,9 +7,9 @@ process of its own, and appends `{"run": name, "rank": r, "status": s}` to the f
 RUNS.json maps a run's name to its train.py arguments. Starting Python and importing torch is most of a tiny run's
 CPU; here a launch pays it once for all its runs. A run may not leave anything behind for the next: each joins a
 process group of its own, over a store of its own (torchrun's, reused, would hand a run the previous run's addresses
-under the same keys), train.main destroys it, and the compiler's caches are reset between runs (a compiled run
-starts as in a fresh process). That the runs then train as they do alone is what the layout tests check against
-separate one-process references; train.py keeping no state in module globals is what makes it hold.
+under the same keys), train.main destroys it, and the caches of torch that outlive a process group are cleared
+between runs (forget_compiled_and_sharded_ops). That the runs then train as they do alone is what the layout
+tests check against separate one-process references; train.py keeping no state in module globals makes it hold.
 """
 
 import json
@@ -29,10 +29,10 @@ RUN_START = "=== train_runs: "
 """Rank 0's line before each run's output."""
 
 
-def own_store(agent: dist.TCPStore, run: int) -> None:
+def own_store(agent: dist.TCPStore, run: int, rank: int) -> None:
     """Point env:// (what train.main joins) at a new store that rank 0 hosts on a free port, told to the other ranks
     through torchrun's store."""
-    if os.environ["RANK"] == "0":
+    if rank == 0:
         with socket.socket() as s:
             s.bind((os.environ["MASTER_ADDR"], 0))
             agent.set(f"train_runs/{run}", str(s.getsockname()[1]))
@@ -54,14 +54,14 @@ def main(runs_file: str, status_file: str) -> int:
     runs = json.loads(Path(runs_file).read_text())
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(minutes=10))
-    failed = 0
+    rank, failed = int(os.environ["RANK"]), 0
     for run, (name, args) in enumerate(runs.items()):
-        own_store(agent, run)
-        if os.environ["RANK"] == "0":
+        own_store(agent, run, rank)
+        if rank == 0:
             print(f"{RUN_START}{name}", file=sys.stderr, flush=True)
         status = train.main(args)
         with open(status_file, "a") as f:
-            f.write(json.dumps({"run": name, "rank": int(os.environ["RANK"]), "status": status}) + "\n")
+            f.write(json.dumps({"run": name, "rank": rank, "status": status}) + "\n")
         failed = failed or status
         forget_compiled_and_sharded_ops()
     return failed
