@@ -83,3 +83,38 @@ def test_partial_gradients_are_reduced_to_their_parameters_placements_before_the
     """The tensor-parallel QK-norm weights' gradients are Partial after backward; torch 2.11's foreach AdamW read
     their local shares as whole. clip_grad_norm reduces them first: each rank then holds the whole gradient."""
     on_ranks(_partial_gradients, 2, str(tmp_path / "store"))
+
+
+def _clipped_shards(rank: int, store_path: str) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from components.optim import clip_grad_norm
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    whole = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    for p in whole:
+        p.grad = torch.randn_like(p)
+    shared = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement]))
+              for p, placement in zip(whole, [Shard(0), Replicate()])]
+    for p, q in zip(shared, whole):
+        p.grad = distribute_tensor(q.grad.clone(), mesh, p.placements)
+    norm = clip_grad_norm(SimpleNamespace(param_groups=[{"params": shared}]), 1.0)
+    unclipped = [q.grad.clone() for q in whole]
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(whole, 1.0))
+    assert norm > 2  # so the gradients were scaled down, each by the same factor on every rank
+    for p, q, before in zip(shared, whole, unclipped):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+        assert torch.equal(p.grad.full_tensor(), before * (1.0 / (norm + 1e-6)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_clipping_scales_sharded_and_replicated_gradients_exactly_as_one_process_does(tmp_path):
+    """The norm over the whole gradients, and each rank's share scaled in place by the same factor."""
+    on_ranks(_clipped_shards, 2, str(tmp_path / "store"))

@@ -1,7 +1,8 @@
-"""Training on the streaming hf loader through run_train.sh: the shipped corpus as a local dataset repository
-of 4 Parquet shards trains on 2 processes without an Arrow copy and resumes bitwise; a run moved from 2 processes
-to 1 and then to 4 trains on the batches of one uninterrupted run, with either loader; a resume with another
-global batch is refused; bad data stops the run with one line and exit status 2."""
+"""Training on the streaming hf loader: the shipped corpus as a local dataset repository of 4 Parquet shards trains
+on 2 processes (run_train.sh) without an Arrow copy and resumes bitwise; a run moved from 2 processes to 1 and then
+to 4 trains on the batches of one uninterrupted run, with either loader; a resume with another global batch is
+refused; bad data stops the run with one line and exit status 2. One-process runs are train.main in this process
+(the launcher's part in a failure, the report it shows once, is tests/test_launcher.py's)."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, ON_PACKED, REPO, TINY, losses, metric_lines
+from conftest import CORPUS, ON_PACKED, REPO, TINY, losses, metric_lines, train_main
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +33,21 @@ def repository(tmp_path_factory):
     return folder
 
 
-def run_train(nproc: int, args: list[str], tmp_path: Path, **env: str) -> tuple[int, str]:
+def run_train(nproc: int, args: list[str], tmp_path: Path) -> tuple[int, str]:
     """./run_train.sh with this interpreter first on PATH; its status and output (stdout and stderr)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(nproc), HF_DATASETS_CACHE=str(tmp_path / "hf_cache"),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run([str(REPO / "run_train.sh"), *args], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     return result.returncode, result.stdout + result.stderr
+
+
+def train_here(args: list[str], capfd) -> tuple[int, str]:
+    """train.main in this process: its status and what it printed (stdout and stderr)."""
+    capfd.readouterr()
+    status = train_main(args)
+    captured = capfd.readouterr()
+    return status, captured.out + captured.err
 
 
 def large_arrow_files(*folders: Path) -> list[Path]:
@@ -59,17 +68,16 @@ def test_two_processes_stream_their_shards_with_falling_loss_and_no_arrow_copy(r
     assert large_arrow_files(tmp_path / "hf_cache", dump) == []
 
 
-def test_a_run_resumed_at_step_8_matches_16_steps_straight_bitwise(repository, tmp_path):
+def test_a_run_resumed_at_step_8_matches_16_steps_straight_bitwise(repository, tmp_path, capfd):
     # A constant learning rate after warmup: the schedule of an 8-step run is then that of a 16-step one.
     args = [*HF, "--training.dataset_path", str(repository), "--training.dataloader_workers", "2",
             "--lr_scheduler.decay_type", "constant", "--checkpoint.enable", "true", "--checkpoint.interval", "8"]
-    status, out = run_train(1, [*args, "--training.steps", "16", "--job.dump_folder", str(tmp_path / "straight")],
-                            tmp_path)
+    status, out = train_here([*args, "--training.steps", "16", "--job.dump_folder", str(tmp_path / "straight")],
+                             capfd)
     assert status == 0, out[-3000:]
     resumed = tmp_path / "resumed"
     for steps in (8, 16):
-        status, out = run_train(1, [*args, "--training.steps", str(steps), "--job.dump_folder", str(resumed)],
-                                tmp_path)
+        status, out = train_here([*args, "--training.steps", str(steps), "--job.dump_folder", str(resumed)], capfd)
         assert status == 0, out[-3000:]
     assert "loading checkpoint" in out.lower() or "resum" in out.lower(), out[-3000:]
     assert losses(resumed) == losses(tmp_path / "straight")
@@ -101,14 +109,14 @@ def test_a_run_moved_from_2_processes_to_1_and_then_to_4_trains_on_the_batches_o
     assert [resumed[s]["loss"] for s in resumed] == pytest.approx([straight[s]["loss"] for s in resumed], rel=1e-4)
 
 
-def test_a_resume_with_another_global_batch_is_refused_before_anything_is_written(repository, tmp_path):
+def test_a_resume_with_another_global_batch_is_refused_before_anything_is_written(repository, tmp_path, capfd):
     dump = tmp_path / "run"
     args = [*HF, "--training.dataset_path", str(repository), "--checkpoint.enable", "true",
             "--checkpoint.interval", "2", "--training.steps", "2", "--job.dump_folder", str(dump)]
-    status, out = run_train(1, args, tmp_path)
+    status, out = train_here(args, capfd)
     assert status == 0, out[-3000:]
     before = files(dump)
-    status, out = run_train(1, [*args, "--training.steps", "4", "--training.global_batch_size", "8"], tmp_path)
+    status, out = train_here([*args, "--training.steps", "4", "--training.global_batch_size", "8"], capfd)
     assert status == 2, out[-3000:]
     assert "global batch 4 → 8: the hf loader reads one stream of the data per sequence of the global batch" in out
     assert "--checkpoint.exclude_from_loading dataloader" in out
@@ -121,10 +129,10 @@ def files(folder: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
-def bad_input(tmp_path: Path, dataset_path: str, *extra: str, **env: str) -> str:
+def bad_input(tmp_path: Path, capfd, dataset_path: str, *extra: str) -> str:
     """The one line a run on `dataset_path` stops with (exit status 2, no traceback)."""
-    status, out = run_train(1, [*HF, "--training.dataset_path", dataset_path, "--training.steps", "2", *extra,
-                                "--job.dump_folder", str(tmp_path / "run")], tmp_path, **env)
+    status, out = train_here([*HF, "--training.dataset_path", dataset_path, "--training.steps", "2", *extra,
+                              "--job.dump_folder", str(tmp_path / "run")], capfd)
     assert status == 2, out[-3000:]
     assert "Traceback" not in out, out
     errors = [line for line in out.splitlines() if "error:" in line]
@@ -132,21 +140,22 @@ def bad_input(tmp_path: Path, dataset_path: str, *extra: str, **env: str) -> str
     return errors[0]
 
 
-def test_bad_sources_stop_the_run_with_one_line(repository, tmp_path):
-    line = bad_input(tmp_path, "allenai/c4:en", HF_HUB_OFFLINE="1")
+def test_bad_sources_stop_the_run_with_one_line(repository, tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = bad_input(tmp_path, capfd, "allenai/c4:en")
     assert "'allenai/c4:en' is not a local path" in line and "offline" in line
     broken = tmp_path / "broken"
     (broken / "data").mkdir(parents=True)
     for shard in sorted((repository / "data").iterdir())[:3]:
         (broken / "data" / shard.name).write_bytes(shard.read_bytes())
     (broken / "data" / "train-00003-of-00004.parquet").write_bytes(b"PAR1 not really")
-    assert "cannot read" in (line := bad_input(tmp_path, str(broken))) and "train-00003-of-00004.parquet" in line
-    line = bad_input(tmp_path, str(repository), "--training.dataset_text_field", "content")
+    assert "cannot read" in (line := bad_input(tmp_path, capfd, str(broken))) and "train-00003-of-00004.parquet" in line
+    line = bad_input(tmp_path, capfd, str(repository), "--training.dataset_text_field", "content")
     assert "has no field 'content' (columns: text)" in line
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    line = bad_input(tmp_path, str(tmp_path / "empty.jsonl"))
+    line = bad_input(tmp_path, capfd, str(tmp_path / "empty.jsonl"))
     assert "empty.jsonl' holds no documents (its 1 file(s) are empty)" in line
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": null}\n{"id": 3}\n')
-    assert "blank is too small for 4 streams" in bad_input(tmp_path, str(tmp_path / "blank.jsonl"))
-    line = bad_input(tmp_path, f"{tmp_path / 'empty.jsonl'}:0,{repository}:0")
+    assert "blank is too small for 4 streams" in bad_input(tmp_path, capfd, str(tmp_path / "blank.jsonl"))
+    line = bad_input(tmp_path, capfd, f"{tmp_path / 'empty.jsonl'}:0,{repository}:0")
     assert "a blend weight must be a positive number" in line
