@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ON_HF, REPO, TINY, losses, metric_lines
+from conftest import ON_HF, REPO, TINY, losses, metric_lines, train_main
 from fault_injection import descendants, kill_tree
 
 from components.checkpoint_integrity import check_checkpoint
@@ -45,6 +45,18 @@ def launch(nproc: int, args: list[str], dump: Path, fault: str | None = None,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def rerun(nproc: int, args: list[str], dump: Path, capfd) -> tuple[int, str]:
+    """The run again, without a fault: its exit status and output. On one process it is train.main in this process:
+    what the resume reads is the folder, whichever process the killed run was."""
+    if nproc > 1:
+        result = launch(nproc, args, dump)
+        return result.returncode, result.stdout + result.stderr
+    capfd.readouterr()
+    status = train_main([*args, "--job.dump_folder", str(dump)])
+    captured = capfd.readouterr()
+    return status, captured.out + captured.err
+
+
 def steps_logged(dump: Path) -> list[int]:
     return [m["step"] for m in metric_lines(dump) if "loss" in m]
 
@@ -61,14 +73,13 @@ steps on a busy 2-core CI machine)."""
 def references(tmp_path_factory):
     """Uninterrupted runs (1 and 2 processes, sync and async checkpointing alike), by process count; under
     "2proc-run", the 2-process run's dump folder and output."""
-    runs = {}
-    for nproc in (1, 2):
-        dump = tmp_path_factory.mktemp(f"reference{nproc}")
-        result = launch(nproc, RUN, dump, fault=SLOW_RANK if nproc == 2 else None)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[nproc] = losses(dump)
-        assert sorted(runs[nproc]) == list(range(1, STEPS + 1))
-    runs["2proc-run"] = dump, result.stdout + result.stderr
+    one = tmp_path_factory.mktemp("reference1")
+    assert train_main([*RUN, "--job.dump_folder", str(one)]) == 0
+    dump = tmp_path_factory.mktemp("reference2")
+    result = launch(2, RUN, dump, fault=SLOW_RANK)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {1: losses(one), 2: losses(dump), "2proc-run": (dump, result.stdout + result.stderr)}
+    assert sorted(runs[1]) == sorted(runs[2]) == list(range(1, STEPS + 1))
     return runs
 
 
@@ -137,7 +148,7 @@ KILLS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", KILLS)
-def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_path):
+def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_path, capfd):
     nproc, fault, extra, resumed_from = KILLS[name]
     killed = launch(nproc, [*RUN, *extra], tmp_path, fault=fault)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
@@ -146,9 +157,8 @@ def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_
     if fault.startswith(("kill-write", "kill-commit")):  # the interrupted save left a folder never read
         assert f"step-{fault_step}.partial" in folders and f"step-{fault_step}" not in folders, folders
 
-    resumed = launch(nproc, [*RUN, *extra], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    log = resumed.stdout + resumed.stderr
+    status, log = rerun(nproc, [*RUN, *extra], tmp_path, capfd)
+    assert status == 0, log[-3000:]
     if resumed_from:
         assert f"resumed from {tmp_path / 'checkpoint' / resumed_from} " in log, log[-3000:]
     else:
@@ -160,7 +170,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_curve(name, references, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, seed", [(1, 0), (2, 1)])
-def test_kill_9_from_outside_at_a_random_step(nproc, seed, references, tmp_path):
+def test_kill_9_from_outside_at_a_random_step(nproc, seed, references, tmp_path, capfd):
     """kill -9 of the whole process tree from outside as soon as a randomly drawn step is logged:
     wherever that lands (the next step, a background save every 2 steps, logging), the resumed run
     gives the uninterrupted curve."""
@@ -175,8 +185,8 @@ def test_kill_9_from_outside_at_a_random_step(nproc, seed, references, tmp_path)
             kill_tree(proc.pid)
             break
     assert proc.wait(timeout=120) == -signal.SIGKILL
-    resumed = launch(nproc, args[:-2], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    status, log = rerun(nproc, args[:-2], tmp_path, capfd)
+    assert status == 0, log[-3000:]
     assert steps_logged(tmp_path) == list(range(1, STEPS + 1))
     assert losses(tmp_path) == references[nproc]
 
@@ -187,14 +197,14 @@ def truncate(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_truncated_newest_checkpoint_is_named_and_the_previous_one_used(references, tmp_path):
+def test_a_truncated_newest_checkpoint_is_named_and_the_previous_one_used(references, tmp_path, capfd):
     killed = launch(1, RUN, tmp_path, fault="kill-step:8")
     assert killed.returncode == -signal.SIGKILL
     truncate(tmp_path / "checkpoint" / "step-6" / "__0_0.distcp")
-    resumed = launch(1, RUN, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"checkpoint {tmp_path / 'checkpoint' / 'step-6'} is damaged (__0_0.distcp is " in resumed.stderr
-    assert f"resumed from {tmp_path / 'checkpoint' / 'step-3'} " in resumed.stderr
+    status, log = rerun(1, RUN, tmp_path, capfd)
+    assert status == 0, log[-3000:]
+    assert f"checkpoint {tmp_path / 'checkpoint' / 'step-6'} is damaged (__0_0.distcp is " in log
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-3'} " in log
     assert (tmp_path / "checkpoint" / "step-6.damaged" / "__0_0.distcp").is_file()  # kept for inspection
     assert losses(tmp_path) == references[1]
 
@@ -240,7 +250,7 @@ group; torchrun passes a signal on to each worker's group, loader workers includ
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SIGNALLED)
-def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(name, references, tmp_path):
+def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(name, references, tmp_path, capfd):
     """./run_train.sh with the default loader workers: the run saves the step it is at and exits 75, in a few
     lines; on the packed corpus the rerun resumes and ends the curve of an uninterrupted run."""
     signum, target, data, nproc = SIGNALLED[name]
@@ -264,9 +274,8 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_75_with_loader_workers_on(na
     assert "exiting with status 75" in after
     if data:  # resuming the hf loader exactly is tests/test_streaming_training.py's
         return
-    resumed = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    status, log = rerun(nproc, args[:-2], tmp_path, capfd)
+    assert status == 0, log[-3000:]
     assert not (tmp_path / "preempted.json").exists()
     assert losses(tmp_path) == references[nproc]
 
