@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, losses, metric_lines
+from conftest import REPO, TINY, losses, metric_lines, train_main
 
 from components.config import ConfigError
 from components.model_package import MODEL_EXPORTS, import_model_package
@@ -96,9 +96,7 @@ def test_a_forked_model_with_qk_norm_trains_alike_on_one_process_and_under_tenso
     alone, split = (qk_norm_weights(tmp_path / dump / "checkpoint" / "step-4") for dump in ("one", "tp"))
     assert max((alone[k] - 1).abs().max() for k in alone) > 1e-3  # trained
     assert max((alone[k] - split[k]).abs().max() for k in alone) < 1e-5
-    baseline = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--training.steps", "1",
-                               "--job.dump_folder", str(tmp_path / "llama")], cwd=REPO, capture_output=True, text=True)
-    assert baseline.returncode == 0
+    assert train_main([*TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "llama")]) == 0
     assert losses(tmp_path / "llama")[1] != one[1]  # the QK norms change the model
 
 
