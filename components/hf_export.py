@@ -92,6 +92,15 @@ CHECK_LAYERS, CHECK_VOCAB, CHECK_MAX_PARAMETERS = 2, 512, 300_000_000
 at most this many parameters."""
 
 
+def check_length(model: torch.nn.Module, max_seq_len: int) -> int:
+    """The tokens the check runs: 16 (or the model's whole length if shorter), and past the widest sliding window
+    an attention module declares (components/attention.py), which a shorter sequence would never reach: a form
+    without the window would pass."""
+    windows = [module.attention_mask.window for module in model.modules()
+               if getattr(getattr(module, "attention_mask", None), "window", None)]
+    return max([min(16, max_seq_len), *(window + 1 for window in windows)])
+
+
 def check_hf_form(package: ModuleType, args) -> None:
     """Refuse a model whose Hugging Face form (the family's hf_config and to_hf) is not the same model, before
     anything is written. The form is derived from the model's arguments (hidden_act, model_type, ...) or refused
@@ -109,6 +118,11 @@ def check_hf_form(package: ModuleType, args) -> None:
     small = replace(args, n_layers=min(args.n_layers, CHECK_LAYERS), vocab_size=min(args.vocab_size, CHECK_VOCAB))
     with torch.device("meta"):
         model = package.Transformer(small)
+    seq = check_length(model, getattr(small, "max_seq_len", 16))
+    if seq > getattr(small, "max_seq_len", seq):  # the RoPE table must cover it
+        small = replace(small, max_seq_len=seq)
+        with torch.device("meta"):
+            model = package.Transformer(small)
     size = sum(p.numel() for p in model.parameters())
     if size > CHECK_MAX_PARAMETERS:
         logger.info(f"{name}: the Hugging Face form is not checked: a {small.n_layers}-block copy of the model has "
@@ -120,7 +134,7 @@ def check_hf_form(package: ModuleType, args) -> None:
     with torch.no_grad():
         for param in model.parameters():  # every weight distinct from its neighbours and norms away from 1
             param.mul_(1 + 0.2 * torch.randn(param.shape, generator=generator))
-    tokens = torch.randint(small.vocab_size, (2, min(16, getattr(small, "max_seq_len", 16))), generator=generator)
+    tokens = torch.randint(small.vocab_size, (2, seq), generator=generator)
     with tempfile.TemporaryDirectory() as folder:
         save_safetensors(package.to_hf(model.state_dict(), small), Path(folder) / "model.safetensors")
         write_json(Path(folder) / "config.json", package.hf_config(small))

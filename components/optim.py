@@ -217,7 +217,7 @@ def by_mesh(params) -> list[list[nn.Parameter]]:
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:
     """Gradients still Partial (a sum over ranks not yet taken: those of the tensor-parallel QK-norm weights,
-    models/attention.py) take their parameters' placements, one all-reduce each, before the norm and the step.
+    components/attention.py) take their parameters' placements, one all-reduce each, before the norm and the step.
     torch 2.11's foreach AdamW reads such a gradient's local share as if whole (the weights drifted by 1e-2 from
     one process's within two steps); torch 2.13 reduces it inside each op, once per op."""
     for p in params:

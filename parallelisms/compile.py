@@ -8,14 +8,13 @@ from torch import nn
 from components.moe_layer import has_moe_layer
 
 
-def compile_blocks(blocks: nn.ModuleDict) -> None:
+def compile_blocks(blocks: nn.ModuleDict, eager_attention: bool = False) -> None:
     """Compile every block in place (`Module.compile`, so parameter names stay unchanged).
 
     A dense block compiles as one graph. A mixture-of-experts block cannot: how many tokens each
     expert gets is data, which the expert computation and its all-to-all take as Python sizes, so
     that part runs eagerly between the compiled graphs of the rest. MoE layers are found by their interface
     (components/moe_layer.py), whatever module defines them. Nor can a block whose attention runs eagerly
-    (a module flagged `sdpa_breaks_graph`: ring attention's point-to-point sends)."""
+    (`eager_attention`, which context parallelism's `attention_runs_eagerly` tells: ring's point-to-point sends)."""
     for block in blocks.values():
-        eager_attention = any(getattr(module, "sdpa_breaks_graph", False) for module in block.modules())
         block.compile(fullgraph=not (has_moe_layer(block) or eager_attention))

@@ -38,8 +38,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from components.attention import CAUSAL, AttentionMask, causal_attention, masked_attention, visible_keys
 from components.config import ConfigError
-from models.attention import masked_attention
 from parallelisms.context_parallel_documents import (
     ShardedDocuments,
     allgather_documents,
@@ -47,7 +47,6 @@ from parallelisms.context_parallel_documents import (
     rank_positions,
     ring_documents,
     take,
-    visible_keys,
 )
 from parallelisms.ring_attention import ring_attention
 
@@ -108,41 +107,63 @@ def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tens
 
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardedDocuments | None = None,
-                           *, cp_mesh: DeviceMesh, masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
-    """Causal attention of this rank's queries to the keys and values of the whole sequence, within
-    documents given a `mask` of `allgather_documents` (else under the rank's `zigzag_masks`).
+                           spec: AttentionMask = CAUSAL, *, cp_mesh: DeviceMesh,
+                           masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
+    """Causal attention of this rank's queries to the keys and values of the whole sequence, under the layer's
+    declared `spec`, within documents given a `mask` of `allgather_documents` (else under the rank's
+    `zigzag_masks`, or within the spec's window).
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding this rank's share of the tokens; n_kv_heads may divide n_heads (grouped-query
     attention). Returns a tensor shaped like q."""
     if mask is not None:
-        return _allgather_documents_attention(q, k, v, mask, cp_mesh)
+        return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec.window)
     gathered = _gather_shares(torch.stack([k, v]), cp_mesh)  # one all-gather for both
     k, v = zigzag_to_sequence_order(gathered, cp_mesh.size())
+    if spec.window is not None:
+        return zigzag_window_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec.window)
     return zigzag_attention(q, k, v, masks)
 
 
-def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh) -> torch.Tensor:
+def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh,
+                                   window: int | None) -> torch.Tensor:
     """allgather under document masking: the gathered keys and values put in sequence order, row by row."""
     shares = documents.shares.flatten(1)  # (batch, seq): the positions of the gathered keys, in rank order
     k, v = take(_gather_shares(torch.stack([k, v]), cp_mesh), shares.argsort(dim=1), dim=3, batch_dim=1)
-    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank())
+    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), window)
 
 
 def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: ShardedDocuments,
-                        cp_rank: int) -> torch.Tensor:
+                        cp_rank: int, window: int | None = None) -> torch.Tensor:
     """allgather's attention under document masking once the keys and values of the whole sequence are gathered:
     each of rank `cp_rank`'s two query chunks attends to the range of keys the mask's plan gives it
-    (`allgather_documents`), at or before each query, in its document: under the plan's FlexAttention mask on
-    CUDA, a boolean one built here elsewhere. No process group: the memory estimator runs it on fake tensors."""
+    (`allgather_documents`), at or before each query, within its `window`, in its document: under the plan's
+    FlexAttention mask on CUDA, a boolean one built here elsewhere. No process group: the memory estimator runs
+    it on fake tensors."""
     chunk = q.shape[2] // 2
     outputs = []
     for j, (start, end, mask) in enumerate(documents.plan):
         rows = slice(j * chunk, (j + 1) * chunk)
         if mask is None:
             keys = torch.arange(start, end, device=q.device)
-            mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys)[:, None]
+            mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys, window)[:, None]
         outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask))
+    return torch.cat(outputs, dim=2)
+
+
+def zigzag_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
+                            window: int) -> torch.Tensor:
+    """`zigzag_attention` within a sliding window: each of the rank's two query chunks attends to the keys from
+    `window` - 1 before its first query to its last, so the work and the scores' memory fall with the window. No
+    process group: the memory estimator runs it on fake tensors."""
+    chunk = q.shape[2] // 2
+    outputs = []
+    for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank)):
+        first, end = index * chunk, (index + 1) * chunk
+        start = max(0, first - window + 1)
+        mask = visible_keys(None, torch.arange(first, end, device=q.device),
+                            torch.arange(start, end, device=q.device), window)
+        outputs.append(masked_attention(q_chunk, k[:, :, start:end], v[:, :, start:end], mask))
     return torch.cat(outputs, dim=2)
 
 
@@ -205,11 +226,12 @@ def check_heads_divide(n_heads: int, cp_size: int) -> None:
             "them: pick ring or allgather, or a degree that divides the heads")
 
 
-def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, cp_mesh: DeviceMesh,
-                       attend) -> torch.Tensor:
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, spec: AttentionMask = CAUSAL,
+                       *, cp_mesh: DeviceMesh, attend) -> torch.Tensor:
     """Ulysses: the attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the heads
-    with the model's own kernel `attend(q, k, v, mask)` (its attention modules' `sdpa`: causal, fused, no
-    mask; or within documents, given `alltoall_documents`, which holds the model's mask of the whole sequence)."""
+    with the model's own kernel `attend(q, k, v, mask, spec)` (its attention modules' `sdpa`, under the layer's
+    declared `spec`; within documents given `alltoall_documents`, which holds the model's mask of the whole
+    sequence). Any kernel that treats the heads alone is right here, the model's own included."""
     cp_size = cp_mesh.size()
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
@@ -217,12 +239,37 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     q, k, v = (_heads_for_sequence(t, cp_mesh) for t in (q, k, v))  # in rank order
     if mask is None:
         q, k, v = (zigzag_to_sequence_order(t, cp_size) for t in (q, k, v))
-        out = attend(q, k, v).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
+        out = attend(q, k, v, None, spec).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
     else:
         shares = mask.shares.flatten(1)
         q, k, v = (take(t, shares.argsort(dim=1), dim=2) for t in (q, k, v))
-        out = take(attend(q, k, v, mask.plan), shares, dim=2)
+        out = take(attend(q, k, v, mask.plan, spec), shares, dim=2)
     return _sequence_for_heads(out, cp_mesh)
+
+
+def attention_runs_eagerly(method: str, document_masking: bool) -> bool:
+    """Whether the `method`'s attention runs eagerly inside compiled blocks (which then compile in several graphs,
+    parallelisms/compile.py): ring's point-to-point sends cannot be traced, nor can allgather's key ranges under
+    document masking (values of the batch) without a recompile per batch."""
+    return method == "ring" or (method == "allgather" and document_masking)
+
+
+def check_declared_attention(model: nn.Module, method: str) -> None:
+    """Refuse what `method` cannot honour: allgather and ring compute attention themselves from each module's
+    declared `attention_mask`, so a module whose `sdpa` is its own function (a fork's new mask) would silently
+    lose it."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "sdpa"):
+            continue
+        if not isinstance(getattr(module, "attention_mask", None), AttentionMask):
+            raise ConfigError(f"context parallelism: {name} has an sdpa but declares no attention_mask (an "
+                              "AttentionMask, components/attention.py; docs/models.md)")
+        if method != "alltoall" and module.sdpa is not causal_attention:
+            kernel = getattr(module.sdpa, "__qualname__", repr(module.sdpa))
+            raise ConfigError(f"parallelism.context_parallel_method {method} replaces the attention of {name}, "
+                              f"whose sdpa is the model's own ({kernel}), and would drop its mask: declare the mask "
+                              "as the module's attention_mask with components.attention.causal_attention as its "
+                              "sdpa, or use context_parallel_method alltoall, which runs the model's own kernel")
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
@@ -231,13 +278,16 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     (zigzag, or by documents under `document_masking`: parallelisms/context_parallel_documents.py): its
     `local_positions` give the positions whose RoPE angles it reads, its `document_mask` builder what the
     attention needs of the documents, and every module with an `sdpa` (the attention modules) attends through
-    the `method`'s attention. `heads_per_rank`, the query heads of a rank after tensor parallelism, lets
-    alltoall refuse at start-up what it cannot split.
+    the `method`'s attention, under the mask each declares (`attention_mask`, components/attention.py).
+    allgather and ring replace the shared kernel (`causal_attention`) and refuse a module whose `sdpa` is the
+    model's own: what it computes is not declared. `heads_per_rank`, the query heads of a rank after tensor
+    parallelism, lets alltoall refuse at start-up what it cannot split.
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     if method == "alltoall" and heads_per_rank is not None:
         check_heads_divide(heads_per_rank, cp_size)
+    check_declared_attention(model, method)
     zigzag = zigzag_positions(seq_len, cp_size, cp_rank).to(cp_mesh.device_type)
     masks = zigzag_masks(seq_len, cp_size, cp_rank)
     model.local_positions = partial(local_positions, zigzag=zigzag, cp_size=cp_size, cp_rank=cp_rank)
@@ -246,10 +296,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
         "ring": partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank),
         "alltoall": partial(alltoall_documents, cp_size=cp_size, whole_mask=model.document_mask),
     }[method]
-    # Ring's point-to-point sends cannot be traced, nor can allgather's key ranges under document masking (values
-    # of the batch) without a recompile per batch: both run eagerly inside compiled blocks. Wrapped here, not where
-    # they are defined, so that only runs that use them import torch's compiler.
-    eager = method == "ring" or (method == "allgather" and document_masking)
+    # Wrapped here, not where they are defined, so that only runs that use them import torch's compiler.
+    eager = attention_runs_eagerly(method, document_masking)
     for module in model.modules():
         if hasattr(module, "sdpa"):
             attention = {
@@ -258,5 +306,4 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
                 "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
             }[method]
             module.sdpa = torch.compiler.disable(attention) if eager else attention
-            module.sdpa_breaks_graph = eager  # parallelisms/compile.py
     return model

@@ -23,8 +23,9 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from components import attention
+from components.attention import CAUSAL, AttentionMask
 from components.data.documents import document_positions
-from models import attention
 
 
 class ShardedDocuments(NamedTuple):
@@ -101,57 +102,57 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> to
     return share_positions(document_ids, cp_size)[:, cp_rank]
 
 
-def visible_keys(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """(batch, queries, keys) booleans: whether the query at q_positions may see the key at k_positions (at or before
-    it, in its document). document_ids: (batch, seq), of the whole sequence; positions (batch, n) per row, or (n,)
-    shared by the rows."""
-    q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
-    return ((document_ids.gather(1, q_positions)[:, :, None] == document_ids.gather(1, k_positions)[:, None, :])
-            & (q_positions[:, :, None] >= k_positions[:, None, :]))
-
-
-def allgather_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
-    """allgather's mask: each of this rank's query chunks sees the keys from the earliest start of its first
-    query's document (over the rows) to its latest end; on CUDA under a FlexAttention mask, built here once for
-    every layer."""
+def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
+                        cp_rank: int) -> ShardedDocuments:
+    """allgather's mask for the layers declaring `spec`: each of this rank's query chunks sees the keys from the
+    earliest start of its first query's document, or of its window, (over the rows) to its latest end; on CUDA
+    under a FlexAttention mask, built here once for every such layer."""
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = _chunk_facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
     shares = share_positions(document_ids, cp_size, chunks)
     mine = chunks[:, cp_rank].tolist()
     flex = attention.use_flex_attention(document_ids.device)
+    window = spec.window if spec.window is not None else document_ids.shape[1]
     plan = []
     for j in range(2):
-        start = min(doc_starts[row][share[j]] for row, share in enumerate(mine))
+        start = min(max(doc_starts[row][share[j]], share[j] * size - window + 1) for row, share in enumerate(mine))
         end = max((share[j] + 1) * size for share in mine)
         queries = shares[:, cp_rank, j * size:(j + 1) * size]
-        plan.append(KeyRange(start, end, chunk_block_mask(document_ids, queries, start, end) if flex else None))
+        block_mask = chunk_block_mask(document_ids, queries, start, end, window) if flex else None
+        plan.append(KeyRange(start, end, block_mask))
     return ShardedDocuments(document_ids, shares, plan)
 
 
-def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: int, end: int) -> BlockMask:
+def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: int, end: int,
+                     window: int) -> BlockMask:
     """FlexAttention's mask of the queries at positions `queries` (batch, n) against the keys [start, end): at or
-    before each query, in its document. Compiled on CUDA, as models/attention.py's `document_mask`."""
+    before each query, within `window` of it, in its document. Compiled on CUDA, as components/attention.py's
+    `document_mask`."""
     first_key = torch.tensor(start, device=document_ids.device)  # a tensor: a new start does not recompile
 
     def same_document_causal(b, h, q_idx, kv_idx):
         query, key = queries[b, q_idx], first_key + kv_idx
-        return (query >= key) & (document_ids[b, query] == document_ids[b, key])
+        return (query >= key) & (query - key < window) & (document_ids[b, query] == document_ids[b, key])
 
     return create_block_mask(same_document_causal, B=len(document_ids), H=None, Q_LEN=queries.shape[1],
                              KV_LEN=end - start, device=document_ids.device,
                              _compile=document_ids.device.type == "cuda")
 
 
-def ring_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) -> ShardedDocuments:
-    """ring's mask: whether this rank's query chunk a sees any key of chunk b of owner o's block, in any row.
-    Documents are contiguous and in order, so a chunk of keys before the queries' chunk holds keys they see
-    exactly when its last key is in the document of their first query."""
+def ring_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
+                   cp_rank: int) -> ShardedDocuments:
+    """ring's mask for the layers declaring `spec`: whether this rank's query chunk a sees any key of chunk b of
+    owner o's block, in any row. Documents are contiguous and in order, so a chunk of keys before the queries'
+    chunk holds keys they see exactly when its last key is in the document of their first query, and within the
+    window of that query."""
     doc_starts, first_doc, last_doc = _chunk_facts(document_ids, 2 * cp_size)
-    chunks = _assign(doc_starts, cp_size, document_ids.shape[1] // (2 * cp_size))
+    size = document_ids.shape[1] // (2 * cp_size)
+    chunks = _assign(doc_starts, cp_size, size)
 
     def sees(row: int, query: int, key: int) -> bool:
-        return key == query or (key < query and last_doc[row][key] == first_doc[row][query])
+        return key == query or (key < query and last_doc[row][key] == first_doc[row][query]
+                                and chunk_in_window(query, key, size, spec.window))
 
     rows = chunks.tolist()
     blocks = [[[any(sees(row, share[cp_rank][a], share[owner][b]) for row, share in enumerate(rows))
@@ -159,11 +160,18 @@ def ring_documents(document_ids: torch.Tensor, *, cp_size: int, cp_rank: int) ->
     return ShardedDocuments(document_ids, share_positions(document_ids, cp_size, chunks), torch.tensor(blocks))
 
 
-def alltoall_documents(document_ids: torch.Tensor, *, cp_size: int,
-                       whole_mask: Callable[[torch.Tensor], object]) -> ShardedDocuments:
-    """alltoall's mask: the model's own (`whole_mask`) of the whole sequence, which each rank attends whole for
-    its heads (so its work does not depend on the assignment)."""
-    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size), whole_mask(document_ids))
+def chunk_in_window(query: int, key: int, size: int, window: int | None) -> bool:
+    """Whether a chunk of `size` keys, `key`, before the chunk of queries `query` (chunk numbers) holds a key within
+    the `window` of one of them: the nearest pair, the queries' first and the keys' last, is (query - key - 1) *
+    size + 1 apart."""
+    return window is None or (query - key - 1) * size + 1 < window
+
+
+def alltoall_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
+                       whole_mask: Callable[[torch.Tensor, AttentionMask], object]) -> ShardedDocuments:
+    """alltoall's mask: the model's own (`whole_mask`) of the whole sequence for `spec`, which each rank attends
+    whole for its heads (so its work does not depend on the assignment)."""
+    return ShardedDocuments(document_ids, share_positions(document_ids, cp_size), whole_mask(document_ids, spec))
 
 
 def take(tensor: torch.Tensor, positions: torch.Tensor, dim: int, batch_dim: int = 0) -> torch.Tensor:

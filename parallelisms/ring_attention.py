@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelisms.context_parallel_documents import visible_keys
+from components.attention import CAUSAL, AttentionMask, visible_keys
+from parallelisms.context_parallel_documents import chunk_in_window
 
 aten = torch.ops.aten
 _state = threading.local()
@@ -91,11 +92,13 @@ def _aligned(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return bias.expand(q.shape[0], q.shape[1], -1, -1)
 
 
-def block_bias(document_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
-    """(batch, 1, queries, keys): 0 where the query may see the key (`visible_keys`), -inf elsewhere."""
-    allowed = visible_keys(document_ids, q_positions, k_positions)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
+def block_bias(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,
+               dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """(batch, 1, queries, keys), or (1, 1, queries, keys) without documents: 0 where the query may see the key
+    (`visible_keys`), -inf elsewhere."""
+    allowed = visible_keys(document_ids, q_positions, k_positions, window)
+    allowed = allowed[:, None] if document_ids is not None else allowed[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
 def block_backward(grad_out, q, k, v, out, lse, causal: bool, aux=(), bias: torch.Tensor | None = None):
@@ -183,13 +186,36 @@ def _block_slices(owner: int, rank: int, chunk: int):
     return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
 
 
-def _blocks(q, documents, rank: int, owner: int):
-    """The parts of `owner`'s block of keys and values this rank attends to: [(query slice, key slice, causal,
-    bias, first)]; the bias (None without documents) masks by document and position; `first`: the first part of
-    these queries, in which each sees a key (itself). Under document masking, the chunk pairs `documents.plan`
-    keeps, the rank's own two chunks' diagonal pairs first."""
+def _window_parts(q, rank: int, owner: int, size: int, window: int):
+    """`_blocks` without documents under a sliding window: the zigzag chunk pairs with a key in the window of a
+    query; a bias only where the window cuts a pair (a diagonal pair wider than the window, or keys partly out of
+    reach)."""
+    chunk = q.shape[2] // 2
+    mine, theirs = (rank, 2 * size - 1 - rank), (owner, 2 * size - 1 - owner)
+    parts = []
+    for a, b in sorted(((a, b) for a in range(2) for b in range(2)), key=lambda pair: pair[0] != pair[1]):
+        query, key = mine[a], theirs[b]
+        if key > query or not chunk_in_window(query, key, chunk, window):
+            continue
+        rows, keys = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
+        reach = (query - key + 1) * chunk - 1  # the farthest pair's distance
+        if reach < window:  # every key the queries may see (the diagonal: causally) is in reach
+            parts.append((rows, keys, key == query, None, key == query))
+            continue
+        positions = [torch.arange(index * chunk, (index + 1) * chunk, device=q.device) for index in (query, key)]
+        parts.append((rows, keys, False, block_bias(None, *positions, q.dtype, window), key == query))
+    return parts
+
+
+def _blocks(q, documents, rank: int, owner: int, size: int, spec: AttentionMask = CAUSAL):
+    """The parts of `owner`'s block of keys and values this rank attends to (of `size` ranks): [(query slice, key
+    slice, causal, bias, first)]; the bias masks by document, position and the `spec`'s window, where needed;
+    `first`: the first part of these queries, in which each sees a key (itself). Under document masking, the
+    chunk pairs `documents.plan` keeps, the rank's own two chunks' diagonal pairs first."""
     chunk = q.shape[2] // 2
     if documents is None:
+        if spec.window is not None:
+            return _window_parts(q, rank, owner, size, spec.window)
         return [(*_block_slices(owner, rank, chunk), None, owner == rank)]
     plan, shares = documents.plan.tolist(), documents.shares
     pairs = sorted(((a, b) for a in range(2) for b in range(2) if plan[a][owner][b]),
@@ -197,20 +223,21 @@ def _blocks(q, documents, rank: int, owner: int):
     parts = []
     for a, b in pairs:
         rows, keys = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
-        bias = block_bias(documents.document_ids, shares[:, rank, rows], shares[:, owner, keys], q.dtype)
+        bias = block_bias(documents.document_ids, shares[:, rank, rows], shares[:, owner, keys], q.dtype,
+                          spec.window)
         parts.append((rows, keys, False, bias, owner == rank and a == b))
     return parts
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1):
+    def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1, spec: AttentionMask = CAUSAL):
         """`repeats`: how many times each key/value head is repeated for the kernels (`head_repeats`)."""
         with _ring_blocks():
-            return RingAttention._forward(ctx, q, k, v, ring, documents, repeats)
+            return RingAttention._forward(ctx, q, k, v, ring, documents, repeats, spec)
 
     @staticmethod
-    def _forward(ctx, q, k, v, ring: Ring, documents, repeats: int):
+    def _forward(ctx, q, k, v, ring: Ring, documents, repeats: int, spec: AttentionMask):
         rank, size = ring.rank, ring.size
         kv = torch.stack([k, v])
         out = q.new_empty(q.shape, dtype=torch.float32)
@@ -218,7 +245,7 @@ class RingAttention(torch.autograd.Function):
         aux = None
         for step in range(size):
             pending = ring.start(kv) if step < size - 1 else None
-            for rows, keys, causal, bias, first in _blocks(q, documents, rank, (rank - step) % size):
+            for rows, keys, causal, bias, first in _blocks(q, documents, rank, (rank - step) % size, size, spec):
                 block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
                 block_out, block_lse, block_aux = block_forward(q[:, :, rows], block_k, block_v, causal, bias)
                 aux = block_aux if aux is None else aux
@@ -231,7 +258,7 @@ class RingAttention(torch.autograd.Function):
                 kv = ring.finish(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.aux, ctx.documents, ctx.repeats = ring, aux, documents, repeats
+        ctx.ring, ctx.aux, ctx.documents, ctx.repeats, ctx.spec = ring, aux, documents, repeats, spec
         return out
 
     @staticmethod
@@ -247,7 +274,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             pending_kv = ring.start(kv) if step < size - 1 else None
             parts = []
-            for rows, keys, causal, bias, _ in _blocks(q, documents, rank, (rank - step) % size):
+            for rows, keys, causal, bias, _ in _blocks(q, documents, rank, (rank - step) % size, size, ctx.spec):
                 block_k, block_v = (_expand_heads(t[:, :, keys], repeats) for t in kv)
                 dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows].contiguous(), block_k, block_v,
                                             out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
@@ -263,18 +290,18 @@ class RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, *,
-                   cp_mesh: DeviceMesh) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, spec: AttentionMask = CAUSAL,
+                   *, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
     zigzag shares; n_kv_heads may divide n_heads. Given `documents` (the attention modules' mask under document
-    masking, `ring_documents`: the shares are then by documents), within documents. Returns a tensor shaped
-    like q.
+    masking, `ring_documents`: the shares are then by documents), within documents; within the layer's declared
+    `spec`'s window, skipping the blocks wholly outside it. Returns a tensor shaped like q.
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), documents,
-                               head_repeats(q, k, q.device.type))
+                               head_repeats(q, k, q.device.type), spec)

@@ -84,6 +84,32 @@ def metric_lines(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+SLIDING_WINDOW_PATCH = REPO / "docs" / "assets" / "fork_sliding_window.patch"
+
+
+def sliding_window_fork(root: Path) -> str:
+    """docs/models.md's sliding-window fork: models/llama3 copied to `root`/models/swa, its imports pointed at the
+    copy, docs/assets/fork_sliding_window.patch applied. Returns the folder `import_fork` adds to the `models`
+    package's path."""
+    fork = root / "models" / "swa"
+    shutil.copytree(REPO / "models" / "llama3", fork, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in fork.glob("*.py"):
+        path.write_text(path.read_text().replace("models.llama3", "models.swa"))
+    subprocess.run(["git", "apply", str(SLIDING_WINDOW_PATCH)], cwd=root, check=True)
+    return str(root / "models")
+
+
+def import_fork(models_folder: str):
+    """The package models.swa from `models_folder` (`sliding_window_fork`)."""
+    import importlib
+
+    import models
+
+    if models_folder not in models.__path__:
+        models.__path__.append(models_folder)
+    return importlib.import_module("models.swa")
+
+
 def initial_weights(dump: Path) -> dict:
     """The weights of a run's step-1 checkpoint, trained at lr 0: its initial weights, whole."""
     import torch

@@ -12,14 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import on_ranks
+from conftest import import_fork, on_ranks, sliding_window_fork
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import components.data.documents
-from models import attention
-from models.attention import causal_attention, document_mask
+from components import attention
+from components.attention import causal_attention, document_mask
+from components.config import ConfigError
+from models import llama3
 from models.llama3 import ModelArgs, Transformer
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import (
     allgather_kv_attention,
     alltoall_attention,
@@ -316,18 +320,30 @@ def check_attention(cp_mesh) -> None:
                                        msg=f"{method} {name}")
 
 
-def check_model(cp_mesh) -> None:
+WINDOW = 5
+"""The fork's window in these checks: at CP 2 (chunks of 4) and 4 (chunks of 2) it cuts through chunks."""
+
+
+def check_model(cp_mesh, fork: str | None = None) -> None:
     """The Llama model under CP with each method: logits, and parameter gradients summed over the ranks,
     match one process on the full sequence; so do the hidden states of a pipeline stage; and so do the logits and
-    gradients with document masking (at CP 4 some of the ring's blocks hold no key of a query's document)."""
+    gradients with document masking (at CP 4 some of the ring's blocks hold no key of a query's document).
+    Given the `fork` folder of `sliding_window_fork`, the same of the fork, whose first block sees WINDOW keys
+    (its second all), after checking that the window changes the logits, at CP 2 also with compiled blocks
+    checkpointed selectively by op; and a fork that computes attention with its own function is refused by
+    allgather and ring, whose own would drop its mask, and runs under alltoall."""
     seq_len = 16
+    package = llama3 if fork is None else import_fork(fork)
     torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=seq_len, multiple_of=32)
-    reference = Transformer(args)
+    args = package.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=seq_len,
+                             multiple_of=32, **({} if fork is None else {"sliding_window": WINDOW}))
+    reference = package.Transformer(args)
     reference.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     logits = reference(inputs)
+    if fork is not None:
+        check_the_window_counts_and_an_undeclared_kernel_is_refused(reference, inputs, logits, cp_mesh, seq_len)
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
     # A first pipeline stage: the embeddings and block 0, returning hidden states.
     stage = copy.deepcopy(reference)
@@ -338,19 +354,13 @@ def check_model(cp_mesh) -> None:
 
     for method in ("allgather", "ring", "alltoall"):
         model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method)
-        model.zero_grad()
-        local_logits = model(shard_sequence(inputs, cp_mesh))
-        torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh), logits.detach(), **TOL, msg=method)
-        local_labels = shard_sequence(labels, cp_mesh)
-        loss = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
-        loss.backward()
-        for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
-            dist.all_reduce(param.grad, group=cp_mesh.get_group())
-            torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=f"{method} {name}")
+        assert_matches_one_process(model, reference, inputs, labels, logits, cp_mesh, method)
         with torch.no_grad():
             local_hidden = apply_context_parallel(copy.deepcopy(stage), cp_mesh, seq_len, method)(
                 shard_sequence(inputs, cp_mesh))
         torch.testing.assert_close(local_hidden, shard_sequence(hidden, cp_mesh), **TOL, msg=method)
+    if fork is not None and cp_mesh.size() == 2:
+        check_the_window_compiled_and_checkpointed_by_op(reference, inputs, labels, cp_mesh, seq_len)
 
     # Document masking, RoPE restarting at each document: each row's documents cross the ranks' shares, which
     # are shared out by them, row by row (at CP 4 the first row's are not zigzag).
@@ -361,17 +371,68 @@ def check_model(cp_mesh) -> None:
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
     for method in ("allgather", "ring", "alltoall"):
         model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method, document_masking=True)
-        model.zero_grad()
-        local_logits = model(shard_sequence(inputs, cp_mesh, document_ids=documents), documents)
-        torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh, documents), logits.detach(), **TOL,
-                                   msg=method)
-        loss = F.cross_entropy(local_logits.flatten(0, 1),
-                               shard_sequence(labels, cp_mesh, document_ids=documents).flatten(),
-                               reduction="sum") / labels.numel()
-        loss.backward()
-        for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
-            dist.all_reduce(param.grad, group=cp_mesh.get_group())
-            torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=f"{method} documents {name}")
+        assert_matches_one_process(model, reference, inputs, labels, logits, cp_mesh, f"{method} documents",
+                                   documents)
+
+
+def assert_matches_one_process(model, reference, inputs, labels, logits, cp_mesh, msg: str, documents=None):
+    """`model` (under CP) on this rank's share of `inputs`: its logits are this rank's of `logits`, and its
+    parameter gradients summed over the ranks `reference`'s (whose backward has run)."""
+    model.zero_grad()
+    local_logits = model(shard_sequence(inputs, cp_mesh, document_ids=documents), documents)
+    torch.testing.assert_close(unshard(local_logits.detach(), cp_mesh, documents), logits.detach(), **TOL, msg=msg)
+    local_labels = shard_sequence(labels, cp_mesh, document_ids=documents)
+    loss = F.cross_entropy(local_logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
+    loss.backward()
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        dist.all_reduce(param.grad, group=cp_mesh.get_group())
+        torch.testing.assert_close(param.grad, ref_param.grad, **TOL, msg=f"{msg} {name}")
+
+
+def check_the_window_compiled_and_checkpointed_by_op(reference, inputs, labels, cp_mesh, seq_len):
+    """allgather builds the window's masks inside the compiled graph: the windowed block alone (a second block
+    would double the compile time), compiled and checkpointed selectively by op, against one process, eager.
+    (alltoall runs the model's own kernel as one process does; ring runs eagerly, and is refused with compiled
+    checkpointed blocks.)"""
+    windowed = copy.deepcopy(reference)
+    del windowed.layers["1"]
+    windowed.zero_grad()
+    logits = windowed(inputs)
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    model = apply_context_parallel(copy.deepcopy(windowed), cp_mesh, seq_len, "allgather")
+    apply_activation_checkpointing(model.layers, "selective", "op", compiled=True)
+    compile_blocks(model.layers)
+    assert_matches_one_process(model, windowed, inputs, labels, logits, cp_mesh, "allgather compiled, AC by op")
+
+
+def check_the_window_counts_and_an_undeclared_kernel_is_refused(reference, inputs, logits, cp_mesh, seq_len):
+    assert reference.layers["0"].attention.attention_mask.window == WINDOW
+    assert reference.layers["1"].attention.attention_mask.window is None
+    every_key = copy.deepcopy(reference)
+    every_key.layers["0"].attention.attention_mask = attention.CAUSAL
+    assert (every_key(inputs) - logits).abs().max() > 1e-3, "the window changes nothing: the checks would pass anyway"
+
+    def own_sliding_window(q, k, v, mask=None, spec=attention.CAUSAL):
+        return causal_attention(q, k, v, mask, attention.AttentionMask(window=WINDOW))
+
+    own = copy.deepcopy(every_key)
+    own.layers["0"].attention.sdpa = own_sliding_window
+    torch.testing.assert_close(own(inputs), logits, **TOL)
+    for method in ("allgather", "ring"):
+        with pytest.raises(ConfigError, match=rf"context_parallel_method {method} replaces the attention of "
+                                              r"layers.0.attention, whose sdpa is the model's own \(.*own_sliding_"
+                                              r"window\), and would drop its mask"):
+            apply_context_parallel(copy.deepcopy(own), cp_mesh, seq_len, method)
+    local = apply_context_parallel(own, cp_mesh, seq_len, "alltoall")(shard_sequence(inputs, cp_mesh))
+    torch.testing.assert_close(unshard(local.detach(), cp_mesh), logits.detach(), **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_a_sliding_window_fork_under_every_method_matches_one_process(cp_size, tmp_path):
+    """docs/assets/fork_sliding_window.patch applied to a copy of Llama 3: logits and every parameter gradient,
+    with and without document masking, as one process computes them."""
+    run_ranks(partial(check_model, fork=sliding_window_fork(tmp_path)), cp_size, tmp_path)
 
 
 @pytest.mark.slow

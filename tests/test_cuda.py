@@ -29,8 +29,8 @@ from conftest import REPO, initial_weights, torchrun
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from components.attention import document_mask, masked_attention
 from components.metrics import GPU_PEAK_TFLOPS, read_metrics
-from models.attention import document_mask, masked_attention
 from parallelisms.float8 import convert_to_float8, float8_supported
 
 pytestmark = pytest.mark.cuda
@@ -104,7 +104,7 @@ def skip_without_float8() -> None:
 
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_heads):
-    """models/attention.py on CUDA: the compiled FlexAttention kernel under a BlockMask (bf16) against
+    """components/attention.py on CUDA: the compiled FlexAttention kernel under a BlockMask (bf16) against
     SDPA under the dense boolean mask (fp32, from the same bf16 inputs): output and gradients of q, k, v."""
     lengths = [[100, 30, 126], [1, 200, 55], [256]]  # several documents per row, one of a single token
     ids = torch.stack([torch.arange(len(row)).repeat_interleave(torch.tensor(row)) for row in lengths]).cuda()

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from conftest import TINY, build_model, losses, tiny_model_args
 from torch.nn.attention.flex_attention import flex_attention
 
-import models.attention as attention
+import components.attention as attention
 import models.llama3.model as llama
+from components.attention import apply_rope
 from components.data.documents import document_ids, document_positions
-from models.attention import apply_rope
 from models.llama3.model import ModelArgs
 
 BOS, EOS, VOCAB = 1, 2, 128
@@ -163,23 +163,23 @@ def test_gradients_of_the_packed_window_are_the_sum_over_its_documents():
 
 def test_every_forward_goes_through_the_swappable_sdpa_with_the_document_mask_when_there_is_one():
     """Context parallelism swaps `Attention.sdpa` (and may swap the model's `document_mask` builder): the
-    plain and the document-masked forward both go through them."""
+    plain and the document-masked forward both go through them, given the mask each layer declares."""
     model = build_model(tiny_args())
     tokens = torch.randint(3, VOCAB, (2, 12))
     documents = document_ids(tokens, EOS)
     expected, expected_masked = model(tokens), model(tokens, document_ids=documents)
     calls = []
 
-    def spy(q, k, v, mask=None):
-        calls.append(mask is not None)
-        return attention.causal_attention(q, k, v, mask)
+    def spy(q, k, v, mask=None, spec=attention.CAUSAL):
+        calls.append((mask is not None, spec))
+        return attention.causal_attention(q, k, v, mask, spec)
 
     for module in model.modules():
         if hasattr(module, "sdpa"):
             module.sdpa = spy
     assert torch.equal(model(tokens), expected)
     assert torch.equal(model(tokens, document_ids=documents), expected_masked)
-    assert calls == [False, False, True, True]
+    assert calls == [(False, attention.CAUSAL)] * 2 + [(True, attention.CAUSAL)] * 2
 
 
 def test_ring_is_refused_with_compiled_checkpoints_and_document_masking_is_taken_by_every_layout():

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from conftest import build_model, tiny_model_args
 
+from components.attention import apply_rope
 from components.config import load_config
-from models.attention import apply_rope
 from models.llama3 import Transformer, build_model_args, flavors
 from models.llama3.model import rope_frequencies
 

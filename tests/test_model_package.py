@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, losses, metric_lines, train_main
+from conftest import REPO, TINY, import_fork, losses, metric_lines, sliding_window_fork, train_main
 
 from components.config import ConfigError
 from components.model_package import MODEL_EXPORTS, import_model_package
@@ -244,3 +244,25 @@ def test_an_export_refuses_a_model_its_hugging_face_form_does_not_compute(monkey
     with pytest.raises(ConfigError, match=r"models.llama3: its Hugging Face form \(LlamaForCausalLM, hidden_act "
                                           r"'silu'\) computes another model: logits .* apart"):
         check_hf_form(package, args)
+
+
+def test_an_export_refuses_a_sliding_window_its_hugging_face_form_lacks_however_wide(tmp_path, monkeypatch):
+    """docs/models.md's sliding-window fork: LlamaForCausalLM has no window, and the check runs past the widest
+    one a module declares, wider than its usual 16 tokens and than the run's sequence; without a window the fork
+    is Llama and passes."""
+    import models
+    from components.config import load_config
+    from components.hf_export import check_hf_form
+
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(models, "__path__", list(models.__path__))
+    monkeypatch.delitem(sys.modules, "models.swa", raising=False)
+    package = import_fork(sliding_window_fork(tmp_path))
+    config = load_config(["--model.name", "swa", "--training.seq_len", "32"])
+    check_hf_form(package, package.build_model_args(config, 4096))
+    config = load_config(["--model.name", "swa", "--training.seq_len", "32", "--model.sliding_window", "40"])
+    with pytest.raises(ConfigError, match=r"models.swa: its Hugging Face form \(LlamaForCausalLM, .*\) computes "
+                                          r"another model"):
+        check_hf_form(package, package.build_model_args(config, 4096))
+    for name in [name for name in sys.modules if name.startswith("models.swa")]:
+        monkeypatch.delitem(sys.modules, name)

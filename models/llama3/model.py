@@ -6,7 +6,7 @@ parametrization (`ModelArgs.mup_base_dim`, docs/mup.md).
 Document masking: given the document number of every token of a packed window (`document_ids`),
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
 positions restart at 0 at each document. The mask is built once per forward and shared by all
-layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere (models/attention.py,
+layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere (components/attention.py,
 shared by the model families).
 
 The model is built on the meta device and filled by `init_weights()` after it has been
@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from components.data.documents import document_positions
 from models.activations import activation
-from models.attention import apply_rope, causal_attention, document_mask
 
 
 @dataclass
@@ -117,9 +117,11 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention. `sdpa` computes causal attention from q, k, v, within documents given a
-    document `mask` (whatever the model's `document_mask` built), and may be swapped, e.g. by context
-    parallelism for one that sees the keys and values of the whole sequence.
+    """Grouped-query attention. `sdpa` computes causal attention from q, k, v under the mask the module declares,
+    `attention_mask` (components/attention.py: full causal here; a fork sets a sliding window there), within
+    documents given a document `mask` (whatever the model's `document_mask` built for that declaration). Context
+    parallelism swaps `sdpa` for one that sees the keys and values of the whole sequence, reading the same
+    declaration.
 
     With `qk_norm`, q_norm and k_norm normalize each head's queries and keys before RoPE; they exist
     only then, so that the state dict of a model without them is unchanged. They act on whole heads,
@@ -128,6 +130,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.sdpa = causal_attention
+        self.attention_mask = CAUSAL  # full causal attention in every layer
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads or args.n_heads
         self.head_dim = args.head_dim
@@ -159,7 +162,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v, mask)
+        out = self.sdpa(q, k, v, mask, self.attention_mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -266,15 +269,17 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions = None if self.local_positions is None else self.local_positions(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
-        mask = None
+        masks = {}
         if document_ids is not None:  # of the whole sequence, also under context parallelism
-            mask = self.document_mask(document_ids)  # built once here and shared by every layer
+            # Built once here for each mask the blocks declare, shared by the blocks that declare it.
+            declared = {block.attention.attention_mask for block in self.layers.values()}
+            masks = {spec: self.document_mask(document_ids, spec) for spec in declared}
             if self.args.rope_per_document:
                 within = document_positions(document_ids)
                 within = within if positions is None else within.gather(1, positions)
                 rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
-            h = block(h, rope, mask=mask)
+            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

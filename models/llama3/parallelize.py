@@ -14,13 +14,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from components.attention import qk_norm_tensor_parallel_plan
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
-from models.attention import qk_norm_tensor_parallel_plan
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
-from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
 from parallelisms.float8 import convert_to_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
@@ -40,7 +40,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     all-gather them, split their heads / hidden units over the ranks (column-wise in, row-wise out)
     and reduce-scatter back to sequence shards. The output layer leaves logits sharded over the
     vocabulary (Shard(-1)) for a loss computed without gathering them (loss parallel). QK-norm's weights
-    are replicated, their gradients summed over the ranks (models/attention.py)."""
+    are replicated, their gradients summed over the ranks (components/attention.py)."""
     if float8_comm:
         # The blocks' all-gathers then move float8 rather than bf16 activations.
         from torchao.float8.float8_tensor_parallel import (
@@ -101,7 +101,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
                                    config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
     if config.compile.enable:
-        compile_blocks(model.layers)
+        compile_blocks(model.layers, eager_attention=dims.cp > 1 and attention_runs_eagerly(
+            config.parallelism.context_parallel_method, config.training.document_masking))
     if uses_fsdp(config, dims):
         apply_fsdp(
             model,

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from components.data.documents import document_positions
 from models.activations import activation
-from models.attention import apply_rope, causal_attention, document_mask
 from models.moe import MoE, MoEArgs
 
 
@@ -82,8 +82,9 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with QK-norm. `sdpa` computes causal attention from q, k, v, within documents
-    given a document `mask`, and may be swapped (context parallelism).
+    """Grouped-query attention with QK-norm. `sdpa` computes causal attention from q, k, v under the declared
+    `attention_mask`, within documents given a document `mask`, and may be swapped (context parallelism), as in
+    models/llama3/model.py.
 
     q_norm and k_norm act on whole heads, so tensor parallelism, which splits the heads, leaves them
     whole on every rank; each rank's gradient of their weights then comes from its own heads only and
@@ -92,6 +93,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.sdpa = causal_attention
+        self.attention_mask = CAUSAL  # full causal attention in every layer
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads or args.n_heads
         self.head_dim = args.head_dim
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v, mask)
+        out = self.sdpa(q, k, v, mask, self.attention_mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -208,14 +210,16 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions = None if self.local_positions is None else self.local_positions(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
-        mask = None
+        masks = {}
         if document_ids is not None:  # of the whole sequence, also under context parallelism
-            mask = self.document_mask(document_ids)  # built once here and shared by every layer
+            # Built once here for each mask the blocks declare, shared by the blocks that declare it.
+            declared = {block.attention.attention_mask for block in self.layers.values()}
+            masks = {spec: self.document_mask(document_ids, spec) for spec in declared}
             if self.args.rope_per_document:
                 within = document_positions(document_ids)
                 within = within if positions is None else within.gather(1, positions)
                 rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
         for block in self.layers.values():
-            h = block(h, rope, mask=mask)
+            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

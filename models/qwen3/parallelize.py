@@ -16,14 +16,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from components.attention import qk_norm_tensor_parallel_plan
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
 from components.moe_layer import MoELayer
-from models.attention import qk_norm_tensor_parallel_plan
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
-from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
 from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
 from parallelisms.float8 import convert_to_float8
 from parallelisms.fsdp import apply_fsdp
@@ -44,7 +44,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output), plus:
 
     - the QK-norms, whose weights are replicated and their gradients summed over the tp ranks, which
-      hold different heads (models/attention.py, qk_norm_tensor_parallel_plan).
+      hold different heads (components/attention.py, qk_norm_tensor_parallel_plan).
     - an MoE feed-forward routes this rank's sequence shard through whole experts."""
     if float8_comm:
         # The blocks' all-gathers then move float8 rather than bf16 activations.
@@ -114,7 +114,8 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
                                    config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
     if config.compile.enable:
-        compile_blocks(model.layers)
+        compile_blocks(model.layers, eager_attention=dims.cp > 1 and attention_runs_eagerly(
+            config.parallelism.context_parallel_method, config.training.document_masking))
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.

@@ -2,7 +2,7 @@
 (parallelisms/context_parallel.py) on CPU over gloo:
 
     python -m scripts.benchmark.cp_attention_memory [--seq 16384] [--degrees 1 2 4] [--heads 8] [--kv-heads 2]
-        [--head-dim 64] [--batch 1] [--documents MEAN]
+        [--head-dim 64] [--batch 1] [--documents MEAN] [--window W]
 
 For each CP degree, that many processes (gloo, one thread each) hold their zigzag shares of random q, k, v of a
 `seq`-token sequence and run one forward and backward of the method's attention; each reports the growth of its
@@ -11,7 +11,8 @@ working memory, communication buffers, saved tensors and the gradients of q, k a
 shows the largest rank's memory and the slowest rank's seconds (the ranks wait for each other). Degree 1 is
 plain causal attention (the fused kernel). With `--documents MEAN`, under document masking: each row packed
 with documents of random lengths, MEAN tokens on average (seeded), the shares by documents; degree 1 is then
-the model's masked attention of the whole sequence. Linux only (/proc).
+the model's masked attention of the whole sequence. With `--window W`, every query sees only the last W keys
+(the sliding window a model declares, components/attention.py), with or without documents. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
 
 def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
     """`method rank peak seconds` of each method on this rank."""
-    from models.attention import causal_attention, document_mask
+    from components.attention import AttentionMask, causal_attention, document_mask
     from parallelisms.context_parallel import (
         allgather_kv_attention,
         alltoall_attention,
@@ -95,24 +96,26 @@ def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
     masks = {"allgather": partial(allgather_documents, cp_size=cp, cp_rank=rank),
              "ring": partial(ring_documents, cp_size=cp, cp_rank=rank),
              "alltoall": partial(alltoall_documents, cp_size=cp, whole_mask=document_mask)}
+    spec = AttentionMask(window=shape["window"])
     lines = []
     for method in METHODS:
         dist.barrier()
-        mask = None if ids is None else masks[method](ids)  # what the model builds once per forward
-        peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask), q, k, v)
+        mask = None if ids is None else masks[method](ids, spec)  # what the model builds once per forward
+        peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask, spec), q, k, v)
         lines.append(f"{method} {rank} {peak} {seconds}")
     return lines
 
 
 def one_process(shape: dict) -> tuple[int, float]:
-    from models.attention import causal_attention, document_mask
+    from components.attention import AttentionMask, causal_attention, document_mask
 
     torch.set_num_threads(1)
     q, k, v = (torch.randn(shape["batch"], heads, shape["seq"], shape["head_dim"])
                for heads in (shape["heads"], shape["kv_heads"], shape["kv_heads"]))
     ids = document_ids(shape)
-    mask = None if ids is None else document_mask(ids)
-    return measure(partial(causal_attention, mask=mask), q, k, v)
+    spec = AttentionMask(window=shape["window"])
+    mask = None if ids is None else document_mask(ids, spec)
+    return measure(partial(causal_attention, mask=mask, spec=spec), q, k, v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--documents", type=int, default=0, metavar="MEAN",
                         help="document masking, documents of MEAN tokens on average (default: one causal sequence)")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="a sliding window: each query sees the last W keys only (default: all before it)")
     args = parser.parse_args(argv)
     shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-             "batch": args.batch, "documents": args.documents}
+             "batch": args.batch, "documents": args.documents, "window": args.window}
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the resident set at once
     masking = f", documents of {args.documents} tokens on average" if args.documents else ", causal"
+    masking += f", a window of {args.window} keys" if args.window else ""
     print(f"attention of {args.batch} x {args.seq} tokens, {args.heads} query and {args.kv_heads} key/value heads "
           f"of {args.head_dim}{masking}, float32, forward and backward; torch {torch.__version__}")
     print("| method | CP degree | peak MiB (largest rank) | of CP 1 | seconds |")

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from components.attention import CAUSAL
 from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -23,6 +24,7 @@ from parallelisms.context_parallel import (
     zigzag_masks,
     zigzag_positions,
     zigzag_to_sequence_order,
+    zigzag_window_attention,
 )
 from parallelisms.context_parallel_documents import ShardedDocuments, allgather_documents, ring_documents, take
 from parallelisms.ring_attention import RingAttention, head_repeats
@@ -126,16 +128,18 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
     only sizes matter), and ring's kernels of the `target` device. `masks`: `allgather_masks`."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
-    def allgather(q, k, v, mask=None):
+    def allgather(q, k, v, mask=None, spec=CAUSAL):
         stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
         gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
         if mask is not None:
             k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=3, batch_dim=1)
-            return documents_attention(q, k, v, mask, 0)
+            return documents_attention(q, k, v, mask, 0, spec.window)
         k, v = zigzag_to_sequence_order(gathered, cp)
+        if spec.window is not None:
+            return zigzag_window_attention(q, k, v, cp, 0, spec.window)
         return zigzag_attention(q, k, v, masks)
 
-    def alltoall(q, k, v, mask=None):
+    def alltoall(q, k, v, mask=None, spec=CAUSAL):  # the sizes of full causal attention, an upper bound
         def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
             return t.unflatten(1, (cp, -1))[:, 0].repeat_interleave(cp, dim=2)
 
@@ -147,8 +151,8 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
                                                                enable_gqa=q.shape[1] != k.shape[1])
         return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
 
-    def ring(q, k, v, mask=None):
-        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask, head_repeats(q, k, target))
+    def ring(q, k, v, mask=None, spec=CAUSAL):
+        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask, head_repeats(q, k, target), spec)
 
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
@@ -243,7 +247,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
     with FakeTensorMode():
         model = model_package.Transformer(stage_args)
         if flex_mask is not None:
-            model.document_mask = lambda ids: flex_mask
+            model.document_mask = lambda ids, spec: flex_mask
         if not first:
             model.tok_embeddings = None
         if not last:
@@ -260,8 +264,8 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             shares = torch.stack([zigzag_positions(seq * cp, cp, rank) for rank in range(cp)])  # of one document
             whole_mask = model.document_mask
             model.local_positions = lambda ids: positions if ids is None else positions.expand(len(ids), -1)
-            model.document_mask = lambda ids: ShardedDocuments(ids, shares.expand(len(ids), -1, -1),
-                                                               whole_mask(ids) if plan is None else plan)
+            model.document_mask = lambda ids, spec: ShardedDocuments(ids, shares.expand(len(ids), -1, -1),
+                                                                     whole_mask(ids, spec) if plan is None else plan)
             for module in model.modules():
                 if hasattr(module, "sdpa"):
                     module.sdpa = attention

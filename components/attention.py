@@ -1,0 +1,184 @@
+"""Attention kernels shared by the model families, and the mask a model declares for each attention layer.
+
+RoPE in the rotate-half layout; causal attention through scaled_dot_product_attention (grouped-query when k and v
+have fewer heads than q), within a sliding window of keys when the layer declares one (`AttentionMask`); document
+masking (FlexAttention on CUDA, a dense boolean mask elsewhere); and the tensor-parallel plan of QK-norm. A family's
+Attention module projects q, k, v, declares its `attention_mask` and calls `causal_attention` as its `sdpa`;
+context parallelism (parallelisms/context_parallel.py) reads the same declaration. They live in components/ because
+both models/ and parallelisms/ use them. A fork that changes them for every family edits this file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import SequenceParallel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys an attention layer's queries see, declared by the model on each attention module (its
+    `attention_mask` attribute) and passed to its `sdpa` on every call: the keys at or before the query (causal),
+    within its document under document masking, and with `window` only the last `window` of them, the query's own
+    included (the sliding window of Mistral, Gemma 2/3 and gpt-oss; a per-layer choice gives their local/global
+    patterns). Every context-parallel method honours it; a layer whose `sdpa` is not `causal_attention` has a
+    mask context parallelism cannot see, and allgather and ring, which replace that kernel, refuse it."""
+
+    window: int | None = None
+
+    def __post_init__(self):
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"AttentionMask window {self.window}: a query sees at least itself (window >= 1)")
+
+
+CAUSAL = AttentionMask()
+
+
+def visible_keys(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+    """(batch, queries, keys) booleans ((queries, keys) without documents): whether the query at q_positions may
+    see the key at k_positions: at or before it, within `window` of it, in its document. document_ids: (batch,
+    seq), of the whole sequence, or None; positions (batch, n) per row, or (n,) shared by the rows."""
+    if document_ids is not None:
+        q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
+    distance = q_positions[..., :, None] - k_positions[..., None, :]
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    if document_ids is not None:
+        allowed = allowed & (document_ids.gather(1, q_positions)[:, :, None]
+                             == document_ids.gather(1, k_positions)[:, None, :])
+    return allowed
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + head_dim/2]) of each head by the angles in `rope` (the
+    "rotate-half" layout of Hugging Face's Llama, see the class docstring of models.llama3.model.Transformer).
+
+    x: (batch, seq, heads, head_dim). rope is either shared by the batch rows, (at least seq,
+    head_dim // 2, 2), of which the first seq rows are used, or one per row, (batch, seq,
+    head_dim // 2, 2) (per-document positions). For the shared form the attention's own input
+    decides the length because a pipeline stage's input may be a sequence shard (tensor + sequence
+    parallel) that attention gathers whole."""
+    if rope.dim() == 3:
+        rope = rope[: x.shape[1]][None]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return rotated.type_as(x)
+
+
+def qk_norm_tensor_parallel_plan(attention: str) -> dict:
+    """Tensor-parallel plan entries for the q_norm and k_norm of the attention module named `attention`:
+    RMSNorms over each head of the (batch, seq, local heads, head_dim) output of the column-wise wq / wk.
+    SequenceParallel over dim 2 (the heads) makes their weights Replicate DTensors, whose gradients
+    DTensor sums over the tp ranks; left out of the plan, each rank would update its own copy from its
+    own heads and the copies would drift apart."""
+    return {f"{attention}.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for norm in ("q_norm", "k_norm")}
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | BlockMask | None = None, spec: AttentionMask = CAUSAL) -> torch.Tensor:
+    """Causal scaled dot-product attention over (batch, heads, seq, head_dim) under the layer's declared `spec`;
+    within documents given the `document_mask` built for that spec; k/v may have fewer heads. The attention
+    modules' `sdpa`."""
+    if mask is not None:
+        return masked_attention(q, k, v, mask)
+    if spec.window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return sliding_window_attention(q, k, v, spec.window)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def compiled_flex_attention(*args, **kwargs):
+    """flex_attention, compiled on its first call: eager, it materializes the whole score matrix; compiled, it is
+    a fused kernel that skips masked blocks. (Compiling at import would import torch's compiler into every
+    process, about two seconds of its start-up.)"""
+    return _compiled_flex_attention()(*args, **kwargs)
+
+
+def use_flex_attention(device: torch.device) -> bool:
+    """Document masking runs FlexAttention on CUDA and a dense boolean mask through SDPA elsewhere.
+
+    torch 2.13's flex_attention runs forward on CPU, eager or compiled, but has no backward there
+    (and its compiled CPU kernel fails to lower inside a compiled block), so CPU training takes the
+    dense mask. Tests patch this function to run the flex path on CPU."""
+    return device.type == "cuda"
+
+
+WINDOW_CHUNK = 256
+"""The fewest queries `sliding_window_attention` attends at once on CPU."""
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal attention within a sliding `window` over (batch, heads, seq, head_dim). Under FlexAttention (CUDA), one
+    kernel that skips the blocks outside the window. Elsewhere by chunks of max(window, WINDOW_CHUNK) queries, each
+    attending to the keys from window - 1 before its first query to its last under a boolean band mask of that
+    size: work and memory grow with the sequence times the window, not with its square."""
+    seq, gqa = q.shape[2], q.shape[1] != k.shape[1]
+    if use_flex_attention(q.device):
+        return compiled_flex_attention(q, k, v, block_mask=_window_block_mask(seq, window, str(q.device)),
+                                       enable_gqa=gqa)
+    chunk, outputs = max(window, WINDOW_CHUNK), []
+    for first in range(0, seq, chunk):
+        end = min(first + chunk, seq)
+        start = max(0, first - window + 1)
+        mask = visible_keys(None, torch.arange(first, end, device=q.device), torch.arange(start, end, device=q.device),
+                            window)
+        outputs.append(F.scaled_dot_product_attention(q[:, :, first:end], k[:, :, start:end], v[:, :, start:end],
+                                                      attn_mask=mask, enable_gqa=gqa))
+    return torch.cat(outputs, dim=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _window_block_mask(seq: int, window: int, device: str) -> BlockMask:
+    """Built once per shape: it depends on nothing else."""
+
+    def sliding_window_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(sliding_window_causal, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
+                             _compile=device.startswith("cuda"))
+
+
+def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
+                  flex: bool | None = None) -> torch.Tensor | BlockMask:
+    """The mask letting each query see the keys at or before it in the same document, and within the
+    `spec`'s window.
+
+    document_ids: (batch, seq). Returns a FlexAttention BlockMask if `flex` (default:
+    `use_flex_attention` on the ids' device), else a boolean (batch, 1, seq, seq) mask (True:
+    attend) that broadcasts over the heads, however many a tensor-parallel rank holds."""
+    batch, seq = document_ids.shape
+    if flex is None:
+        flex = use_flex_attention(document_ids.device)
+    window = spec.window if spec.window is not None else seq
+    if flex:
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return ((q_idx >= kv_idx) & (q_idx - kv_idx < window)
+                    & (document_ids[b, q_idx] == document_ids[b, kv_idx]))
+
+        # Compiled on CUDA: eager, the mask is built from a dense (batch, seq, seq) evaluation of
+        # mask_mod, gigabytes at seq 8192.
+        return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
+                                 device=document_ids.device, _compile=document_ids.device.type == "cuda")
+    positions = torch.arange(seq, device=document_ids.device)
+    return visible_keys(document_ids, positions, positions, spec.window)[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim) under a `document_mask`; k/v may have fewer heads."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
