@@ -131,6 +131,38 @@ def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_he
         assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["window", "window_documents"])
+def test_flex_sliding_window_matches_the_dense_band_forward_and_backward(documents):
+    """A declared sliding window on CUDA: the FlexAttention kernel (bf16), with and without documents, against
+    SDPA under the dense boolean mask of the same window (fp32): output and gradients of q, k, v."""
+    from components.attention import AttentionMask, causal_attention, visible_keys
+
+    spec, seq = AttentionMask(window=100), 512
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, seq, 64, device="cuda", generator=generator).bfloat16() for heads in (8, 2, 2))
+    probe = torch.randn(2, 8, seq, 64, device="cuda", generator=generator)
+    ids = torch.tensor([[0] * 300 + [1] * 212, [0] * 512], device="cuda") if documents else None
+    positions = torch.arange(seq, device="cuda")
+    dense = visible_keys(ids, positions, positions, spec.window)
+    dense = dense[:, None] if documents else dense
+
+    def output_and_gradients(dtype: torch.dtype, flex: bool) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        if flex:
+            mask = document_mask(ids, spec) if documents else None
+            assert mask is None or isinstance(mask, BlockMask)
+            out = causal_attention(*leaves, mask, spec)
+        else:
+            out = masked_attention(*leaves, dense)
+        (out.float() * probe).sum().backward()
+        return [out] + [t.grad for t in leaves]
+
+    got_all, expected_all = output_and_gradients(torch.bfloat16, True), output_and_gradients(torch.float32, False)
+    for name, got, expected in zip(("output", "dq", "dk", "dv"), got_all, expected_all):
+        assert got.dtype == torch.bfloat16 and got.shape == expected.shape, name
+        assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
+
+
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_ring_attention_blocks_use_fused_kernels_and_add_up_to_causal_attention(dtype, documents):
