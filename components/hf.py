@@ -2,9 +2,10 @@
 
 `load_hf_weights` fills a run's (sharded, possibly pipeline-split) model from an HF folder at start-up
 (`--checkpoint.initial_load_path HFDIR`); `load_hf_model(HFDIR)` builds a whole ingot model from one,
-of the family that config.json's model_type names (`HF_MODEL_TYPES`). The model-specific part
-(parameter names, config.json fields) comes from the model package: models/<name>/ exports to_hf,
-from_hf, hf_config, model_args_from_hf and HF_CONFIG_KEYS. The converter between DCP checkpoints and HF
+of the family that wrote it (config.json's `ingot_model`, which ingot's export adds) or else the one whose
+`HF_MODEL_TYPES` name its model_type. The model-specific part (parameter names, config.json fields) comes from
+the model package: models/<name>/ exports HF_MODEL_TYPES, to_hf, from_hf, hf_config, model_args_from_hf and
+HF_CONFIG_KEYS; nothing here names a family. The converter between DCP checkpoints and HF
 folders is scripts/hf.py.
 """
 
@@ -21,10 +22,11 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from components.checkpoint import ModelState
 from components.config import ConfigError
-from components.model_package import import_model_package
+from components.model_package import families_reading, import_model_package, model_package_names
 
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
-"""config.json's model_type -> the ingot model package that reads it."""
+INGOT_MODEL = "ingot_model"
+"""The config.json field in which ingot's export names the family that wrote the folder (transformers keeps such
+a field as an attribute of the config and ignores it)."""
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -50,13 +52,20 @@ def model_name_of(folder: str | Path) -> str:
 
 
 def model_package_for(hf: dict, folder: str | Path) -> str:
-    """The ingot model package for the config.json `hf` of `folder`; an unsupported model_type is a
-    one-line error naming the file."""
+    """The ingot model package for the config.json `hf` of `folder`: the family that exported it, else the one
+    family that declares its model_type; none, or several, is a one-line error naming the file."""
+    path = Path(folder) / "config.json"
+    if hf.get(INGOT_MODEL) in model_package_names():
+        return hf[INGOT_MODEL]
     model_type = hf.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{Path(folder) / 'config.json'}: model_type {model_type!r} is not supported "
-                         f"(ingot reads {', '.join(HF_MODEL_TYPES)})")
-    return HF_MODEL_TYPES[model_type]
+    readers = families_reading(model_type)
+    if not readers:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported (no family under models/ lists it in "
+                         "its HF_MODEL_TYPES)")
+    if len(readers) > 1:
+        raise ValueError(f"{path}: model_type {model_type!r} is read by {' and '.join(readers)}: name the family "
+                         "(model.name, or load_hf_model's model_name)")
+    return readers[0]
 
 
 def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> None:

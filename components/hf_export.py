@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import one_process, saved_entries
 from components.config import DTYPES, Config, ConfigError
+from components.hf import INGOT_MODEL
 from components.model_package import import_model_package
 from components.tokenizer import build_tokenizer
 
@@ -174,7 +175,8 @@ def export(config: Config, checkpoint: Path, output: Path, dtype: str = "float32
     output.mkdir(parents=True, exist_ok=True)
     files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
     ids = {"bos_id": none_if_negative(tokenizer.bos_id), "eos_id": none_if_negative(tokenizer.eos_id)}
-    write_json(output / "config.json", package.hf_config(args, dtype=dtype, **ids))
+    family = package.__name__.rpartition(".")[2]
+    write_json(output / "config.json", package.hf_config(args, dtype=dtype, **ids) | {INGOT_MODEL: family})
     generation = {"bos_token_id": ids["bos_id"], "eos_token_id": ids["eos_id"]}
     write_json(output / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
     copy_tokenizer(config.model.tokenizer_path, output)

@@ -6,6 +6,8 @@ in step."""
 from __future__ import annotations
 
 import importlib
+import logging
+from pathlib import Path
 from types import ModuleType
 
 from components.config import ConfigError
@@ -13,8 +15,10 @@ from components.config import ConfigError
 MODEL_EXPORTS = (
     "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
     "parallelize", "tensor_parallel_plan",
-    "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+    "HF_MODEL_TYPES", "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 )
+
+logger = logging.getLogger(__name__)
 
 
 def import_model_package(name: str) -> ModuleType:
@@ -32,3 +36,26 @@ def import_model_package(name: str) -> ModuleType:
             "(the contract in docs/models.md)"
         )
     return package
+
+
+def model_package_names() -> list[str]:
+    """The model families on the `models` package's path: each folder with an __init__.py, forks included."""
+    import models
+
+    roots = [Path(root) for root in models.__path__ if Path(root).is_dir()]  # not an editable install's hook
+    return sorted({folder.name for root in roots for folder in root.iterdir() if (folder / "__init__.py").is_file()})
+
+
+def families_reading(model_type: str) -> list[str]:
+    """The families whose HF_MODEL_TYPES name a Hugging Face model_type. A folder that does not import, or does
+    not fulfil the contract, reads nothing (said in the log): one broken fork must not stop loading the others."""
+    readers = []
+    for name in model_package_names():
+        try:
+            package = import_model_package(name)
+        except Exception as e:  # noqa: BLE001 -- any failure of another family's import
+            logger.info(f"models/{name} is left out of the Hugging Face model types: {e}")
+            continue
+        if model_type in package.HF_MODEL_TYPES:
+            readers.append(name)
+    return readers

@@ -134,9 +134,10 @@ def test_round_trip_hf_to_ingot_to_hf_is_bit_exact(tmp_path, tie):
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     def config(folder):
-        ignored = {"transformers_version": None, "_name_or_path": None}
+        ignored = {"transformers_version": None, "_name_or_path": None, "ingot_model": None}
         return transformers.AutoConfig.from_pretrained(folder).to_dict() | ignored
     assert config(tmp_path / "back") == config(source)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["ingot_model"] == "llama3"  # the exporter
 
 
 def test_mismatched_config_names_the_field(tmp_path, capsys):

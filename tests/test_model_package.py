@@ -266,3 +266,40 @@ def test_an_export_refuses_a_sliding_window_its_hugging_face_form_lacks_however_
         check_hf_form(package, package.build_model_args(config, 4096))
     for name in [name for name in sys.modules if name.startswith("models.swa")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_a_fork_reads_its_own_exports_and_a_model_type_two_families_list_asks_which(tmp_path, monkeypatch):
+    """components/ names no family: the export names its family in config.json, so the fork (a copy of Llama 3,
+    listing Llama's model_type too) reads its own export back as itself; a plain Llama folder, which both list,
+    is a one-line error naming both; and a broken folder under models/ does not stop the others."""
+    import models
+    from components.hf import load_hf_model
+    from scripts import hf as converter
+
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(models, "__path__", list(models.__path__))
+    monkeypatch.delitem(sys.modules, "models.swa", raising=False)
+    folder = sliding_window_fork(tmp_path)
+    import_fork(folder)
+    run = [*TINY, "--model.name", "swa", "--checkpoint.create_seed_checkpoint", "true",
+           "--job.dump_folder", str(tmp_path / "seed")]
+    assert train_main(run) == 0
+    assert converter.main(["export", "--job.config_file", str(tmp_path / "seed" / "config.toml"), "--checkpoint",
+                           str(tmp_path / "seed" / "checkpoint" / "step-0"), "--output", str(tmp_path / "hf")]) == 0
+    assert type(load_hf_model(tmp_path / "hf")).__module__ == "models.swa.model"
+
+    plain = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del plain["ingot_model"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(plain))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'llama' is read by llama3 and swa: name the "
+                                         r"family") as refused:
+        load_hf_model(tmp_path / "hf")
+    assert "\n" not in str(refused.value)
+    assert type(load_hf_model(tmp_path / "hf", "swa")).__module__ == "models.swa.model"
+
+    shutil.rmtree(tmp_path / "models" / "swa")
+    (tmp_path / "models" / "broken").mkdir()
+    (tmp_path / "models" / "broken" / "__init__.py").write_text("raise ImportError('half-edited')\n")
+    assert type(load_hf_model(tmp_path / "hf")).__module__ == "models.llama3.model"
+    for name in [name for name in sys.modules if name.startswith(("models.swa", "models.broken"))]:
+        monkeypatch.delitem(sys.modules, name)

@@ -171,9 +171,10 @@ def test_moe_export_is_per_expert_and_round_trips_bit_exact(tmp_path):
     assert len({weight_map[f"model.layers.0.mlp.experts.{i}.up_proj.weight"] for i in range(4)}) == 1
 
     def config(folder):
-        ignored = {"transformers_version": None, "_name_or_path": None}
+        ignored = {"transformers_version": None, "_name_or_path": None, "ingot_model": None}
         return transformers.AutoConfig.from_pretrained(folder).to_dict() | ignored
     assert config(tmp_path / "back") == config(source)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["ingot_model"] == "qwen3"  # the exporter
 
 
 def test_transformers_fused_experts_and_mixed_layers_load_alike(tmp_path):

@@ -25,6 +25,11 @@ flavors = {
                       **_LLAMA31_ROPE),
 }
 
+HF_MODEL_TYPES = ("llama",)
+"""The Hugging Face model_types whose folders this family reads when nothing else names the family (components/hf.py;
+its exports, Qwen3's form under model.qk_norm included, name it in config.json). A fork that should not read them
+empties it."""
+
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "ffn_dim", "norm_eps",
@@ -65,5 +70,5 @@ __all__ = [
     # parallelism
     "parallelize", "tensor_parallel_plan",
     # Hugging Face interop
-    "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+    "HF_MODEL_TYPES", "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 ]

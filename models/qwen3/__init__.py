@@ -31,6 +31,10 @@ flavors = {
                            moe=MoEArgs(hidden_dim=1536, **_QWEN3_MOE)),
 }
 
+HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
+"""The Hugging Face model_types whose folders this family reads when nothing else names the family
+(components/hf.py)."""
+
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings",
                "vocab_size")
@@ -73,5 +77,5 @@ __all__ = [
     # parallelism
     "parallelize", "tensor_parallel_plan",
     # Hugging Face interop
-    "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+    "HF_MODEL_TYPES", "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
 ]
