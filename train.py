@@ -55,6 +55,7 @@ from components.step_guard import StepGuard
 from components.stopping import Preemption, StopSignals, exit_status
 from components.stragglers import StepTimes
 from components.tokenizer import build_tokenizer
+from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import Float8ScalePrecompute
 from parallelisms.fsdp import initialize_on_device
 from parallelisms.pipeline import build_pipeline, family_split
@@ -126,8 +127,8 @@ def train(config: Config, signals: StopSignals) -> int:
     lr_schedule = LRSchedule(optimizers, training.steps, config.lr_scheduler, config.optimizer.lr)
     dataloader = build_dataloader(config, tokenizer, data_rank, data_degree)
     eos_id = tokenizer.eos_id if training.document_masking else None
-    cp_mesh = mesh["cp"] if dims.cp > 1 else None
-    evaluations = Evaluations(config, tokenizer, model, dims, plan, device, eos_id, cp_mesh)
+    share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # this rank's share of a sequence
+    evaluations = Evaluations(config, tokenizer, model, dims, plan, device, eos_id, share)
     train_state, step_guard = TrainState(), StepGuard(training, device)
     logger.info(step_guard.describe())
     checkpointer = CheckpointManager(
@@ -164,7 +165,7 @@ def train(config: Config, signals: StopSignals) -> int:
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
-    batches = (prepare_batch(batch, device, eos_id, cp_mesh) for batch in data_hash)
+    batches = (prepare_batch(batch, device, eos_id, share) for batch in data_hash)
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")

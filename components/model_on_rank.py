@@ -8,18 +8,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.data.documents import document_ids
 from components.loss import ZLoss, sequence_loglikelihoods
-from parallelisms.context_parallel import shard_sequence
-from parallelisms.pipeline import Pipeline
+
+
+class StagesDriver(Protocol):
+    """What runs a batch through this rank's pipeline stages (parallelisms/pipeline.py's Pipeline)."""
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
+            documents: torch.Tensor | None = None) -> list[torch.Tensor]: ...
+
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor,
+              score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              documents: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+
+SequenceShare = Callable[..., torch.Tensor]
+"""`share(tensor, document_ids=ids)`: this rank's share of a (batch, seq) tensor's sequence under context
+parallelism (parallelisms/context_parallel.py's shard_sequence, bound to the cp mesh by train.py)."""
 
 
 @dataclass
@@ -28,7 +42,7 @@ class ModelOnRank:
 
     parts: list[nn.Module]
     """The whole model, or this rank's pipeline stages."""
-    pipeline: Pipeline | None
+    pipeline: StagesDriver | None
     """Drives the stages under pipeline parallelism; None without it."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     loss_parallel: bool
@@ -54,18 +68,18 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_batch(
-    batch: torch.Tensor, device: torch.device, eos_id: int | None, cp_mesh: DeviceMesh | None,
+    batch: torch.Tensor, device: torch.device, eos_id: int | None, share: SequenceShare | None,
     labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's inputs, labels and (with document masking: an eos_id) document ids of a batch of
-    windows; under context parallelism (a cp_mesh), its share of the sequence (by documents under document
+    windows; under context parallelism (a `share`), its share of the sequence (by documents under document
     masking), the ids still of the whole sequence. The labels are the windows' next tokens unless given."""
     batch = batch.to(device, non_blocking=True)
     inputs = batch[:, :-1]
     labels = batch[:, 1:] if labels is None else labels.to(device, non_blocking=True)
     documents = document_ids(inputs, eos_id) if eos_id is not None else None
-    if cp_mesh is not None:
-        inputs, labels = (shard_sequence(t, cp_mesh, document_ids=documents) for t in (inputs, labels))
+    if share is not None:
+        inputs, labels = (share(t, document_ids=documents) for t in (inputs, labels))
     return inputs, labels, documents
 
 

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-from components.config import ConfigError
+from components.errors import ConfigError
 
 MODEL_EXPORTS = (
     "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",

@@ -18,8 +18,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from parallelisms.ring_attention import inside_ring
-
 # Ops whose outputs selective-by-op checkpointing keeps rather than recomputes.
 SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -37,7 +35,11 @@ ATTENTION_OPS = {op for op in SAVED_OPS if "scaled_dot_product" in str(op)}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    saved = op in SAVED_OPS and not (op in ATTENTION_OPS and inside_ring())
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls_but_not_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    saved = op in SAVED_OPS and op not in ATTENTION_OPS
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -47,6 +49,10 @@ def _save_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _op_selective_contexts():
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+def _op_selective_ring_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls_but_not_attention_policy)
 
 
 def _attention_saving_contexts():
@@ -68,9 +74,10 @@ def recomputing_attention_breaks(blocks: nn.ModuleDict, compiled: bool) -> bool:
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_option: str = "2",
-                                   compiled: bool = False) -> None:
+                                   compiled: bool = False, ring_attention: bool = False) -> None:
     """Wrap the blocks of `blocks` in place. mode: full | selective; selective_option: "op" or N; `compiled`:
-    the blocks will be compiled (see recomputing_attention_breaks)."""
+    the blocks will be compiled (see recomputing_attention_breaks); `ring_attention`: their attention is context
+    parallelism's ring, whose per-block kernels selective-by-op recomputes rather than saves."""
     if mode == "none":
         return
     keep_attention = recomputing_attention_breaks(blocks, compiled)
@@ -85,7 +92,8 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_o
         if (index + 1) % every:
             continue
         if mode == "selective" and selective_option == "op":
-            blocks[name] = checkpoint_wrapper(block, context_fn=_op_selective_contexts, preserve_rng_state=False)
+            contexts = _op_selective_ring_contexts if ring_attention else _op_selective_contexts
+            blocks[name] = checkpoint_wrapper(block, context_fn=contexts, preserve_rng_state=False)
         elif keep_attention:
             blocks[name] = checkpoint_wrapper(block, context_fn=_attention_saving_contexts, preserve_rng_state=False)
         else:

@@ -24,9 +24,6 @@ memory-efficient kernel for float32 on CUDA): the scores are never materialized.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,22 +32,6 @@ from components.attention import CAUSAL, AttentionMask, visible_keys
 from parallelisms.context_parallel_documents import chunk_in_window
 
 aten = torch.ops.aten
-_state = threading.local()
-
-
-def inside_ring() -> bool:
-    """Whether the attention kernels running now are a ring's blocks: selective activation checkpointing by op
-    (parallelisms/activation_checkpoint.py) recomputes them rather than keeping cp blocks of outputs."""
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextmanager
-def _ring_blocks():
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None = None):
@@ -233,11 +214,6 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1, spec: AttentionMask = CAUSAL):
         """`repeats`: how many times each key/value head is repeated for the kernels (`head_repeats`)."""
-        with _ring_blocks():
-            return RingAttention._forward(ctx, q, k, v, ring, documents, repeats, spec)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, ring: Ring, documents, repeats: int, spec: AttentionMask):
         rank, size = ring.rank, ring.size
         kv = torch.stack([k, v])
         out = q.new_empty(q.shape, dtype=torch.float32)

@@ -35,7 +35,6 @@ from components.config.schema import (
     Comm,
     Compile,
     Config,
-    ConfigError,
     Evaluation,
     FaultTolerance,
     Float8,
@@ -52,6 +51,7 @@ from components.config.schema import (
     Validation,
     field_types,
 )
+from components.errors import ConfigError
 
 __all__ = [
     "CHOICES", "CONFIG_DIR", "COUNT", "DECAY", "DTYPES", "FRACTION", "NON_NEGATIVE", "OFF_AT_0", "POSITIVE", "RANGES",

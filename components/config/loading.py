@@ -26,11 +26,12 @@ from components.config.schema import (
     REPO_ROOT,
     SECTIONS,
     Config,
-    ConfigError,
     Model,
     Range,
     field_types,
 )
+from components.errors import ConfigError
+from components.model_package import import_model_package
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,8 +41,6 @@ else:
 
 def model_config_class(name: str) -> type[Model]:
     """The [model] dataclass of the family models/<name> (its ModelConfig export)."""
-    from components.model_package import import_model_package  # it imports this package
-
     return import_model_package(name).ModelConfig
 
 

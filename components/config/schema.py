@@ -22,10 +22,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """The dtypes a config may name (mixed precision, export), by their config spelling."""
 
 
-class ConfigError(ValueError):
-    """A config file or command-line override that cannot be used; the message says why."""
-
-
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key allows: from `low` up to `high` (either end left open by `open_low` or

@@ -23,7 +23,14 @@ from components.distributed import ParallelDims
 from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
 from components.metrics import MetricsLogger
-from components.model_on_rank import ModelOnRank, forward_backward, loglikelihoods, over_ranks, prepare_batch
+from components.model_on_rank import (
+    ModelOnRank,
+    SequenceShare,
+    forward_backward,
+    loglikelihoods,
+    over_ranks,
+    prepare_batch,
+)
 from components.tokenizer import Tokenizer
 
 logger = logging.getLogger("ingot")
@@ -34,9 +41,9 @@ class Evaluations:
     validation) and tokenizes the tasks once; `after_step` runs what is due."""
 
     def __init__(self, config: Config, tokenizer: Tokenizer, model: ModelOnRank, dims: ParallelDims, plan: BatchPlan,
-                 device: torch.device, eos_id: int | None, cp_mesh):
+                 device: torch.device, eos_id: int | None, share: SequenceShare | None):
         self.config, self.tokenizer, self.model, self.dims, self.plan = config, tokenizer, model, dims, plan
-        self.device, self.eos_id, self.cp_mesh = device, eos_id, cp_mesh
+        self.device, self.eos_id, self.share = device, eos_id, share
         self.dp_rank = dims.dp_mesh.get_local_rank()
         self.validation_paths = validation_sources(config.validation.dataset_path)
         self.short_validation: set[str | None] = set()
@@ -63,7 +70,7 @@ class Evaluations:
     def validate(self, step: int, metrics: MetricsLogger) -> None:
         start, losses, wanted = time.perf_counter(), {}, self.config.validation.steps
         for name, path in self.validation_paths.items():
-            batches = (prepare_batch(batch, self.device, self.eos_id, self.cp_mesh)
+            batches = (prepare_batch(batch, self.device, self.eos_id, self.share)
                        for batch in self._validation_loader(path))
             losses[name], used = validation_loss(self.model, batches, wanted, self.plan.grad_accum_steps, self.device)
             if used < wanted and name not in self.short_validation:
@@ -87,7 +94,7 @@ class Evaluations:
         metrics.log_evaluation(step, results, time.perf_counter() - start)
 
     def _score(self, windows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loglikelihoods(self.model, *prepare_batch(windows, self.device, self.eos_id, self.cp_mesh, labels))
+        return loglikelihoods(self.model, *prepare_batch(windows, self.device, self.eos_id, self.share, labels))
 
     def _sum_over_ranks(self, totals: torch.Tensor) -> torch.Tensor:
         return over_ranks(self.model, totals, dist.ReduceOp.SUM)

@@ -4,26 +4,10 @@ Hugging Face names. `__all__` below is this package's side of the model-package 
 
 from components.config import Config
 from models.llama3.config import ModelConfig
+from models.llama3.flavors import flavors
 from models.llama3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
 from models.llama3.model import ModelArgs, Transformer
 from models.llama3.parallelize import parallelize_llama as parallelize, tensor_parallel_plan
-
-_LLAMA31_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=8.0)
-_LLAMA32_ROPE = dict(rope_theta=500000.0, use_rope_scaling=True, rope_scaling_factor=32.0)
-
-flavors = {
-    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, rope_theta=500000.0),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-                    tie_embeddings=True, **_LLAMA32_ROPE),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-                    tie_embeddings=True, **_LLAMA32_ROPE),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-                    **_LLAMA31_ROPE),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-                     **_LLAMA31_ROPE),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-                      **_LLAMA31_ROPE),
-}
 
 HF_MODEL_TYPES = ("llama",)
 """The Hugging Face model_types whose folders this family reads when nothing else names the family (components/hf.py;

@@ -18,6 +18,7 @@ import re
 from dataclasses import replace
 
 from models.activations import ACTIVATIONS
+from models.llama3.flavors import flavors
 from models.llama3.model import ModelArgs
 
 _TOP_LEVEL = {
@@ -206,12 +207,12 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     flavor = infer_flavor(args)
     if flavor is None:
         return args
-    return replace(_flavors()[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
+    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
 
 
 def infer_flavor(args: ModelArgs) -> str | None:
     """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in _flavors().items():
+    for name, flavor in flavors.items():
         if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
             return name
     return None
@@ -222,8 +223,3 @@ def architecture(args: ModelArgs) -> dict:
     config = hf_config(args)
     return {key: config[key] for key in HF_CONFIG_KEYS}
 
-
-def _flavors() -> dict[str, ModelArgs]:
-    from models.llama3 import flavors  # the package imports this module, so not at the top
-
-    return flavors

@@ -99,7 +99,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
                                heads_per_rank=model.args.n_heads // dims.tp,
                                document_masking=config.training.document_masking)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
-                                   config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable)
+                                   config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
+                                   ring_attention=dims.cp > 1 and config.parallelism.context_parallel_method == "ring")
     if config.compile.enable:
         compile_blocks(model.layers, eager_attention=dims.cp > 1 and attention_runs_eagerly(
             config.parallelism.context_parallel_method, config.training.document_masking))

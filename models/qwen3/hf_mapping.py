@@ -25,6 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from models.activations import ACTIVATIONS
 from models.moe import MoEArgs
+from models.qwen3.flavors import flavors
 from models.qwen3.model import ModelArgs
 
 _TOP_LEVEL = {
@@ -254,12 +255,12 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     flavor = infer_flavor(args)
     if flavor is None:
         return args
-    return replace(_flavors()[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, moe=args.moe)
+    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, moe=args.moe)
 
 
 def infer_flavor(args: ModelArgs) -> str | None:
     """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in _flavors().items():
+    for name, flavor in flavors.items():
         if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
             return name
     return None
@@ -270,8 +271,3 @@ def architecture(args: ModelArgs) -> dict:
     config = hf_config(args)
     return {key: config.get(key) for key in HF_CONFIG_KEYS}
 
-
-def _flavors() -> dict[str, ModelArgs]:
-    from models.qwen3 import flavors  # the package imports this module, so not at the top
-
-    return flavors

@@ -271,7 +271,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                     module.sdpa = attention
         for _, layer in moe_layers(model):
             layer.dispatcher = balanced_dispatch
-        apply_activation_checkpointing(model.layers, ac_mode, ac_option)
+        apply_activation_checkpointing(model.layers, ac_mode, ac_option, ring_attention=cp > 1 and cp_method == "ring")
         model.train()
         tracker = StorageTracker()
         tracker.ignore([*model.parameters(), *model.buffers()])
