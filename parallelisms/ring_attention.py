@@ -16,6 +16,10 @@ block's two key chunks), and a pair that holds no key any of its queries sees, i
 (`ring_documents` says which): with documents shorter than the sequence most are. A query with no key of its
 document in a pair takes nothing from it (its log-sum-exp there is -inf).
 
+Under a sliding window a layer declares (components/attention.py's AttentionMask), the blocks go by chunk pairs
+too: a pair whose keys are all out of the window of its queries is skipped, one the window cuts is attended under
+a bias (also within documents), the others as above, so the work falls with the window.
+
 The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
 its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
 kernel that returns the log-sum-exp (flash attention on CPU and for half precision on CUDA, the
