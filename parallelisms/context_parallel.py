@@ -24,7 +24,9 @@ all-to-all trades back. Needs the heads each rank holds (after tensor parallelis
 key/value heads that do not are repeated up to the query heads first.
 
 All three run the same code on CPU/gloo and CUDA/NCCL (torch's experimental context_parallel has no
-CPU attention).
+CPU attention), and honour the mask each attention module declares (components/attention.py's AttentionMask: a
+sliding window, with or without documents); allgather and ring, which replace the module's kernel, refuse one whose
+`sdpa` is the model's own function (`check_declared_attention`).
 """
 from __future__ import annotations
 
