@@ -5,9 +5,9 @@ parametrization (`ModelArgs.mup_base_dim`, docs/mup.md).
 
 Document masking: given the document number of every token of a packed window (`document_ids`),
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
-positions restart at 0 at each document. The mask is built once per forward and shared by all
-layers: a FlexAttention BlockMask on CUDA, a dense boolean mask for SDPA elsewhere (components/attention.py,
-shared by the model families).
+positions restart at 0 at each document. The mask is built once per forward for each mask the layers declare
+(`Attention.attention_mask`) and shared by the layers declaring it: a FlexAttention BlockMask on CUDA, a dense
+boolean mask for SDPA elsewhere (components/attention.py, shared by the model families).
 
 The model is built on the meta device and filled by `init_weights()` after it has been
 parallelized, so every method here works on plain tensors and on DTensors alike.
@@ -224,7 +224,8 @@ class Transformer(nn.Module):
     (components.data.documents.document_ids), turns on document masking: attention is causal
     within each document only and, with `args.rope_per_document`, RoPE positions restart at each
     document. They cover the whole sequence, also under context parallelism, whose method may replace
-    `document_mask`, the builder of what every layer's `sdpa` is given; every pipeline stage gets them.
+    `document_mask(document_ids, attention_mask)`, the builder of what the layers declaring that mask give their
+    `sdpa`; every pipeline stage gets them.
 
     RoPE layout: each head's dimension i is rotated together with dimension i + head_dim/2
     ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in
