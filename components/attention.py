@@ -128,15 +128,21 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if use_flex_attention(q.device):
         return compiled_flex_attention(q, k, v, block_mask=_window_block_mask(seq, window, str(q.device)),
                                        enable_gqa=gqa)
-    chunk, outputs = max(window, WINDOW_CHUNK), []
-    for first in range(0, seq, chunk):
-        end = min(first + chunk, seq)
-        start = max(0, first - window + 1)
-        mask = visible_keys(None, torch.arange(first, end, device=q.device), torch.arange(start, end, device=q.device),
-                            window)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, first:end], k[:, :, start:end], v[:, :, start:end],
-                                                      attn_mask=mask, enable_gqa=gqa))
-    return torch.cat(outputs, dim=2)
+    chunk = max(window, WINDOW_CHUNK)
+    return torch.cat([window_chunk_attention(q[:, :, first:first + chunk], k, v, first, window)
+                      for first in range(0, seq, chunk)], dim=2)
+
+
+def window_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int) -> torch.Tensor:
+    """Attention of the queries q (batch, heads, n, head_dim) at positions first to first + n - 1 to the keys and
+    values k, v of the whole sequence (positions from 0) within a sliding `window`: only the keys from window - 1
+    before the first query to the last are read, under a boolean band mask of that size."""
+    end = first + q.shape[2]
+    start = max(0, first - window + 1)
+    mask = visible_keys(None, torch.arange(first, end, device=q.device), torch.arange(start, end, device=q.device),
+                        window)
+    return F.scaled_dot_product_attention(q, k[:, :, start:end], v[:, :, start:end], attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 @functools.lru_cache(maxsize=8)

@@ -40,7 +40,14 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from components.attention import CAUSAL, AttentionMask, causal_attention, masked_attention, visible_keys
+from components.attention import (
+    CAUSAL,
+    AttentionMask,
+    causal_attention,
+    masked_attention,
+    visible_keys,
+    window_chunk_attention,
+)
 from components.config import ConfigError
 from parallelisms.context_parallel_documents import (
     ShardedDocuments,
@@ -159,14 +166,8 @@ def zigzag_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     `window` - 1 before its first query to its last, so the work and the scores' memory fall with the window. No
     process group: the memory estimator runs it on fake tensors."""
     chunk = q.shape[2] // 2
-    outputs = []
-    for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank)):
-        first, end = index * chunk, (index + 1) * chunk
-        start = max(0, first - window + 1)
-        mask = visible_keys(None, torch.arange(first, end, device=q.device),
-                            torch.arange(start, end, device=q.device), window)
-        outputs.append(masked_attention(q_chunk, k[:, :, start:end], v[:, :, start:end], mask))
-    return torch.cat(outputs, dim=2)
+    return torch.cat([window_chunk_attention(q_chunk, k, v, index * chunk, window)
+                      for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank))], dim=2)
 
 
 def zigzag_masks(seq_len: int, cp_size: int, cp_rank: int) -> tuple[CausalBias, CausalBias]:
