@@ -11,10 +11,13 @@ both models/ and parallelisms/ use them. A fork that changes them for every fami
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -36,6 +39,24 @@ class AttentionMask:
 
 
 CAUSAL = AttentionMask()
+
+
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """What context parallelism, the compile rules and the Hugging Face export need of an attention module, found
+    by these attributes, not by class or name: the attachment point of every attention kernel."""
+
+    attention_mask: AttentionMask
+    """The keys this layer's queries see."""
+    sdpa: Callable[..., torch.Tensor]
+    """sdpa(q, k, v, mask, attention_mask) -> attention over (batch, heads, seq, head_dim); `mask` is what the
+    model's document_mask built for this layer's attention_mask (None without document masking). Context
+    parallelism replaces it by its method's attention."""
+
+
+def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:
+    """(name, layer) of every attention layer inside `module`."""
+    return ((name, m) for name, m in module.named_modules() if isinstance(m, AttentionLayer))
 
 
 def visible_keys(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,

@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 import torch.distributed.checkpoint as dcp
 
+from components.attention import attention_layers
 from components.checkpoint import one_process, saved_entries
 from components.config import DTYPES, Config, ConfigError
 from components.hf import INGOT_MODEL
@@ -97,8 +98,7 @@ def check_length(model: torch.nn.Module, max_seq_len: int) -> int:
     """The tokens the check runs: 16 (or the model's whole length if shorter), and past the widest sliding window
     an attention module declares (components/attention.py), which a shorter sequence would never reach: a form
     without the window would pass."""
-    windows = [module.attention_mask.window for module in model.modules()
-               if getattr(getattr(module, "attention_mask", None), "window", None)]
+    windows = [layer.attention_mask.window for _, layer in attention_layers(model) if layer.attention_mask.window]
     return max([min(16, max_seq_len), *(window + 1 for window in windows)])
 
 

@@ -28,7 +28,7 @@ def _squared_norm(tensors) -> torch.Tensor:
 
 class LayerMetrics:
     def __init__(self, model_parts: list[nn.Module], n_layers: int, pp_group=None):
-        self.blocks = {int(name): block for part in model_parts for name, block in part.layers.items()}
+        self.blocks = {int(name): block for part in model_parts for name, block in part.transformer_blocks().items()}
         self.n_layers, self.pp_group = n_layers, pp_group
         self.recording = False
         # Per layer: output sum of squares, element count, largest magnitude.

@@ -11,6 +11,7 @@ from torch import nn
 from components.config import Config, ConfigError
 from components.distributed import ParallelDims
 from components.fault_tolerance import check_replica_config
+from components.model_contract import check_model_contract
 from components.moe_layer import has_moe_layer
 
 
@@ -51,7 +52,8 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
 
 
 def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) -> None:
-    """What the model built (on the meta device) cannot do with this config."""
+    """What the model built (on the meta device) lacks of the model contract, or cannot do with this config."""
+    check_model_contract(model, config.model.name)
     if dims.ep > 1 and not has_moe_layer(model):
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
                           f"{config.model.name} {config.model.flavor} has none")

@@ -123,11 +123,11 @@ def muon_mup_scale(width: float, adjust_lr: str) -> float:
 
 
 def split_matrices(part: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the block matrices, the rest): the 2-D parameters of the transformer blocks (`part.layers`)
+    """(the block matrices, the rest): the 2-D parameters of the transformer blocks (`part.transformer_blocks()`)
     and their 3-D ones (MoE experts, one matrix per expert), which Muon updates and µP scales as hidden
     weights; and embeddings, the output layer, norms and biases (AdamW's, at the configured lr). A
     block parameter of more dimensions is refused, by name (Muon could not update it)."""
-    in_blocks = {id(p) for p in part.layers.parameters()}
+    in_blocks = {id(p) for p in part.transformer_blocks().parameters()}
     matrices, rest = [], []
     for name, p in part.named_parameters():
         if id(p) not in in_blocks or p.ndim < 2:

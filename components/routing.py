@@ -19,7 +19,8 @@ class RoutingTally:
 
     def __init__(self, model_parts: list[nn.Module], n_layers: int, micro_batches_per_step: int,
                  metrics: MetricsLogger | None = None):
-        self.layers = {int(name.split(".")[1]): m for part in model_parts for name, m in moe_layers(part)}
+        self.layers = {int(index): moe for part in model_parts for index, block in part.transformer_blocks().items()
+                       for _, moe in moe_layers(block)}
         self.n_layers, self.metrics = n_layers, metrics
         self.num_experts = max((m.num_experts for m in self.layers.values()), default=0)
         self.update_bias = any(m.bias_update_speed > 0 for m in self.layers.values())

@@ -30,6 +30,7 @@ sliding window, with or without documents); allgather and ring, which replace th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from components.attention import (
     CAUSAL,
+    AttentionLayer,
     AttentionMask,
+    attention_layers,
     causal_attention,
     masked_attention,
     visible_keys,
@@ -50,9 +53,12 @@ from components.attention import (
 )
 from components.config import ConfigError
 from parallelisms.context_parallel_documents import (
+    ChunkFacts,
+    LastChunkFacts,
     ShardedDocuments,
     allgather_documents,
     alltoall_documents,
+    chunk_facts,
     rank_positions,
     ring_documents,
     take,
@@ -86,10 +92,10 @@ def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1,
 
 
 def local_positions(document_ids: torch.Tensor | None, *, zigzag: torch.Tensor, cp_size: int,
-                    cp_rank: int) -> torch.Tensor:
+                    cp_rank: int, facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """The model's `local_positions` under context parallelism: the positions of this rank's share, (local,)
     zigzag, or (batch, local) under document masking."""
-    return zigzag if document_ids is None else rank_positions(document_ids, cp_size, cp_rank)
+    return zigzag if document_ids is None else rank_positions(document_ids, cp_size, cp_rank, facts)
 
 
 def _gather_shares(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
@@ -280,7 +286,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     """Make `model` (a whole Transformer or a pipeline stage) run on this rank's share of each sequence
     (zigzag, or by documents under `document_masking`: parallelisms/context_parallel_documents.py): its
     `local_positions` give the positions whose RoPE angles it reads, its `document_mask` builder what the
-    attention needs of the documents, and every module with an `sdpa` (the attention modules) attends through
+    attention needs of the documents, and every attention layer (an `sdpa` and its `attention_mask`) attends through
     the `method`'s attention, under the mask each declares (`attention_mask`, components/attention.py).
     allgather and ring replace the shared kernel (`causal_attention`) and refuse a module whose `sdpa` is the
     model's own: what it computes is not declared. `heads_per_rank`, the query heads of a rank after tensor
@@ -293,20 +299,37 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     check_declared_attention(model, method)
     zigzag = zigzag_positions(seq_len, cp_size, cp_rank).to(cp_mesh.device_type)
     masks = zigzag_masks(seq_len, cp_size, cp_rank)
-    model.local_positions = partial(local_positions, zigzag=zigzag, cp_size=cp_size, cp_rank=cp_rank)
-    model.document_mask = {
-        "allgather": partial(allgather_documents, cp_size=cp_size, cp_rank=cp_rank),
-        "ring": partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank),
-        "alltoall": partial(alltoall_documents, cp_size=cp_size, whole_mask=model.document_mask),
-    }[method]
-    # Wrapped here, not where they are defined, so that only runs that use them import torch's compiler.
     eager = attention_runs_eagerly(method, document_masking)
-    for module in model.modules():
-        if hasattr(module, "sdpa"):
-            attention = {
-                "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, masks=masks),
-                "ring": partial(ring_attention, cp_mesh=cp_mesh),
-                "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=module.sdpa),
-            }[method]
-            module.sdpa = torch.compiler.disable(attention) if eager else attention
+
+    def attention(layer: AttentionLayer):
+        kernel = {
+            "allgather": partial(allgather_kv_attention, cp_mesh=cp_mesh, masks=masks),
+            "ring": partial(ring_attention, cp_mesh=cp_mesh),
+            "alltoall": partial(alltoall_attention, cp_mesh=cp_mesh, attend=layer.sdpa),
+        }[method]
+        # Wrapped here, not where they are defined, so that only runs that use them import torch's compiler.
+        return torch.compiler.disable(kernel) if eager else kernel
+
+    facts = LastChunkFacts()  # the model's positions and masks of a forward read the same ids
+    attach_context_parallel(
+        model,
+        partial(local_positions, zigzag=zigzag, cp_size=cp_size, cp_rank=cp_rank, facts=facts),
+        {
+            "allgather": partial(allgather_documents, cp_size=cp_size, cp_rank=cp_rank, facts=facts),
+            "ring": partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank, facts=facts),
+            "alltoall": partial(alltoall_documents, cp_size=cp_size, whole_mask=model.document_mask),
+        }[method],
+        attention,
+    )
     return model
+
+
+def attach_context_parallel(model: nn.Module, positions: Callable, document_mask: Callable,
+                            attention: Callable[[AttentionLayer], Callable]) -> None:
+    """Where context parallelism enters a model (components/model_contract.py): the positions of this rank's
+    share of the sequence, the builder of what each attention layer gets of the documents, and each attention
+    layer's kernel, `attention(layer)`. The memory estimator attaches its stand-ins here too."""
+    model.local_positions = positions
+    model.document_mask = document_mask
+    for _, layer in attention_layers(model):
+        layer.sdpa = attention(layer)

@@ -50,30 +50,38 @@ class KeyRange(NamedTuple):
     block_mask: BlockMask | None = None
 
 
-_last_facts: tuple = (lambda: None, 0, None)
-"""(a weak reference to the ids, chunks, their facts): of the ids asked about last."""
-
-
-def _chunk_facts(document_ids: torch.Tensor, chunks: int) -> tuple[list, list, list]:
+def chunk_facts(document_ids: torch.Tensor, chunks: int) -> tuple[list, list, list]:
     """Per row and chunk, on the host: the start of its first token's document, its first token's document and
-    its last token's. Copied from the device once per ids tensor: a forward asks for its positions and for its
-    mask of the same ids, and a batch's inputs and labels are shared out by the same ids."""
-    global _last_facts
-    ids, last_chunks, facts = _last_facts
-    if ids() is document_ids and last_chunks == chunks:
-        return facts
+    its last token's."""
     size = document_ids.shape[1] // chunks
     starts = torch.arange(0, document_ids.shape[1], size, device=document_ids.device)
     stacked = torch.stack([starts - document_positions(document_ids)[:, starts], document_ids[:, starts],
                            document_ids[:, starts + size - 1]]).cpu()
-    facts = stacked[0].tolist(), stacked[1].tolist(), stacked[2].tolist()
-    _last_facts = (weakref.ref(document_ids), chunks, facts)
-    return facts
+    return stacked[0].tolist(), stacked[1].tolist(), stacked[2].tolist()
 
 
-def balanced_chunks(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
+class LastChunkFacts:
+    """`chunk_facts` of the ids asked about last, copied from the device once per ids tensor: a forward asks for
+    its positions and for its masks of the same ids. apply_context_parallel gives one to each model it attaches to;
+    without one, each call copies."""
+
+    def __init__(self):
+        self.ids: Callable[[], torch.Tensor | None] = lambda: None
+        self.chunks, self.facts = 0, ([], [], [])
+
+    def __call__(self, document_ids: torch.Tensor, chunks: int) -> tuple[list, list, list]:
+        if self.ids() is not document_ids or self.chunks != chunks:
+            self.ids, self.chunks, self.facts = weakref.ref(document_ids), chunks, chunk_facts(document_ids, chunks)
+        return self.facts
+
+
+ChunkFacts = Callable[[torch.Tensor, int], tuple[list, list, list]]
+"""`chunk_facts`, or a LastChunkFacts."""
+
+
+def balanced_chunks(document_ids: torch.Tensor, cp_size: int, facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """(batch, cp, 2) on the CPU: the two chunks (of 2*cp equal ones) each rank takes of each row, in order."""
-    return _assign(_chunk_facts(document_ids, 2 * cp_size)[0], cp_size, document_ids.shape[1] // (2 * cp_size))
+    return _assign(facts(document_ids, 2 * cp_size)[0], cp_size, document_ids.shape[1] // (2 * cp_size))
 
 
 def _assign(doc_starts: list[list[int]], cp_size: int, size: int) -> torch.Tensor:
@@ -90,25 +98,27 @@ def _assign(doc_starts: list[list[int]], cp_size: int, size: int) -> torch.Tenso
     return torch.tensor(assignment)
 
 
-def share_positions(document_ids: torch.Tensor, cp_size: int, chunks: torch.Tensor | None = None) -> torch.Tensor:
+def share_positions(document_ids: torch.Tensor, cp_size: int, chunks: torch.Tensor | None = None,
+                    facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """(batch, cp, local), on the ids' device: the positions each rank takes of each row (`balanced_chunks`)."""
-    chunks = balanced_chunks(document_ids, cp_size) if chunks is None else chunks
+    chunks = balanced_chunks(document_ids, cp_size, facts) if chunks is None else chunks
     size = document_ids.shape[1] // (2 * cp_size)
     return (chunks[..., None] * size + torch.arange(size)).flatten(2).to(document_ids.device)
 
 
-def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int,
+                   facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """(batch, local): this rank's positions of each row."""
-    return share_positions(document_ids, cp_size)[:, cp_rank]
+    return share_positions(document_ids, cp_size, facts=facts)[:, cp_rank]
 
 
 def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
-                        cp_rank: int) -> ShardedDocuments:
+                        cp_rank: int, facts: ChunkFacts = chunk_facts) -> ShardedDocuments:
     """allgather's mask for the layers declaring `spec`: each of this rank's query chunks sees the keys from the
     earliest start of its first query's document, or of its window, (over the rows) to its latest end; on CUDA
     under a FlexAttention mask, built here once for every such layer."""
     size = document_ids.shape[1] // (2 * cp_size)
-    doc_starts = _chunk_facts(document_ids, 2 * cp_size)[0]
+    doc_starts = facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
     shares = share_positions(document_ids, cp_size, chunks)
     mine = chunks[:, cp_rank].tolist()
@@ -141,12 +151,12 @@ def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: i
 
 
 def ring_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
-                   cp_rank: int) -> ShardedDocuments:
+                   cp_rank: int, facts: ChunkFacts = chunk_facts) -> ShardedDocuments:
     """ring's mask for the layers declaring `spec`: whether this rank's query chunk a sees any key of chunk b of
     owner o's block, in any row. Documents are contiguous and in order, so a chunk of keys before the queries'
     chunk holds keys they see exactly when its last key is in the document of their first query, and within the
     window of that query."""
-    doc_starts, first_doc, last_doc = _chunk_facts(document_ids, 2 * cp_size)
+    doc_starts, first_doc, last_doc = facts(document_ids, 2 * cp_size)
     size = document_ids.shape[1] // (2 * cp_size)
     chunks = _assign(doc_starts, cp_size, size)
 

@@ -7,10 +7,10 @@ rank several smaller stages to shrink the pipeline bubble: looped ones (Interlea
 InterleavedZeroBubble) place stage s on rank s % pp, V-shaped ones (ZBVZeroBubble, DualPipeV) go
 down the ranks and back up, so that rank 0 holds both the first and the last stage.
 
-Which modules go into which stage: `split_for_pipeline` serves every model that follows the package
-contract (docs/models.md: embeddings, blocks in the ModuleDict `layers`, norm and output, any of them
-None in a stage); a family with another structure exports its own split_for_pipeline, which
-`family_split` then picks.
+Which modules go into which stage: `split_for_pipeline` serves every model that follows the model contract
+(components/model_contract.py: the modules its `pipeline_ends` names before the blocks go into the first stage, those
+after them into the last, its `transformer_blocks()` are split between the stages, and a stage sets what it does not
+hold to None); a family with another structure exports its own split_for_pipeline, which `family_split` then picks.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.config import Config, ConfigError
+from components.model_contract import DecoderModel, blocks_name
 from components.moe_layer import moe_layers
 
 if TYPE_CHECKING:
@@ -128,10 +129,11 @@ def split_module(model: nn.Module, keep: list[str]) -> nn.Module:
     return part
 
 
-def pipeline_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None = None) -> list[list[str]]:
-    """The module names each stage holds: embeddings in the first, norm and output in the last, and
-    the blocks in order, `layers_per_stage` per stage or split evenly (the first stages take one
-    more block each when they do not divide evenly)."""
+def pipeline_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None, blocks: str,
+                          ends: tuple[tuple[str, ...], tuple[str, ...]]) -> list[list[str]]:
+    """The module names each stage holds: the `ends` before the blocks in the first, those after them in the last,
+    and the blocks (entries of the child `blocks`) in order, `layers_per_stage` per stage or split evenly (the first
+    stages take one more block each when they do not divide evenly)."""
     if num_stages > n_layers:
         raise ConfigError(
             f"{num_stages} pipeline stages (parallelism.pipeline_parallel_degree x stages per rank) but "
@@ -149,10 +151,10 @@ def pipeline_module_names(n_layers: int, num_stages: int, layers_per_stage: int 
         sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
     names, start = [], 0
     for size in sizes:
-        names.append([f"layers.{i}" for i in range(start, start + size)])
+        names.append([f"{blocks}.{i}" for i in range(start, start + size)])
         start += size
-    names[0].insert(0, "tok_embeddings")
-    names[-1].extend(["norm", "output"])
+    names[0][:0] = ends[0]
+    names[-1].extend(ends[1])
     return names
 
 
@@ -172,22 +174,25 @@ def stages_per_rank(schedule_name: str, pp_size: int, n_layers: int, layers_per_
     return num_stages // pp_size
 
 
-def split_for_pipeline(model: nn.Module, pp_mesh: DeviceMesh, config: Config) -> tuple[list[nn.Module], list[int], int]:
+def split_for_pipeline(model: DecoderModel, pp_mesh: DeviceMesh, config: Config,
+                       ) -> tuple[list[nn.Module], list[int], int]:
     """This rank's pipeline stages of `model` (on meta, or materialized: its weights are copied):
     (model_parts, stage_ids, num_stages), parts in the order of their stage ids."""
     p = config.parallelism
-    if model.output is not None and model.tok_embeddings is not None and \
-            model.output.weight is model.tok_embeddings.weight:
+    first, last = ({id(param) for name in names for param in getattr(model, name).parameters()}
+                   for names in model.pipeline_ends)
+    if first & last:
         # The first and last stages would each hold (and update) their own copy of the matrix.
         raise ConfigError(
             f"model.flavor {config.model.flavor} ties its embedding and output weights, which pipeline "
             "parallelism does not support yet; use parallelism.pipeline_parallel_degree = 1"
         )
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    n_layers = len(model.layers)
+    n_layers = len(model.transformer_blocks())
     per_rank = stages_per_rank(p.pipeline_parallel_schedule, pp_size, n_layers, p.pipeline_parallel_layers_per_stage)
     num_stages = pp_size * per_rank
-    names = pipeline_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
+    names = pipeline_module_names(n_layers, num_stages, p.pipeline_parallel_layers_per_stage, blocks_name(model),
+                                  model.pipeline_ends)
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, per_rank, is_v_style(p.pipeline_parallel_schedule))
     return [split_module(model, names[stage]) for stage in stage_ids], stage_ids, num_stages
 

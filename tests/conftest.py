@@ -99,6 +99,28 @@ def sliding_window_fork(root: Path) -> str:
     return str(root / "models")
 
 
+RENAMES = {  # file of a family: (its text, the fork's); HF's own names (model.layers.N...) stay
+    "model.py": [("tok_embeddings", "embed"), ("self.layers", "self.blocks")],
+    "parallelize.py": [("tok_embeddings", "embed"), ("model.layers", "model.blocks"), ('f"layers.{', 'f"blocks.{')],
+    "hf_mapping.py": [("tok_embeddings", "embed"), ('r"layers\\.', 'r"blocks\\.'), ('r"(layers\\.', 'r"(blocks\\.'),
+                      ('f"layers.{', 'f"blocks.{')],
+}
+
+
+def fork_with_renamed_modules(root: Path, family: str = "llama3", name: str = "renamed") -> Path:
+    """models/<family> copied to `root`/models/<name>, its imports pointed at the copy, with `blocks` for `layers`
+    and `embed` for `tok_embeddings` (declared through the model contract, components/model_contract.py, as its
+    `transformer_blocks()` and `pipeline_ends`), in its Hugging Face mapping and tensor-parallel plan too."""
+    fork = root / "models" / name
+    shutil.copytree(REPO / "models" / family, fork, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in fork.glob("*.py"):
+        text = path.read_text().replace(f"models.{family}", f"models.{name}")
+        for old, new in RENAMES.get(path.name, []):
+            text = text.replace(old, new)
+        path.write_text(text)
+    return fork
+
+
 def import_fork(models_folder: str):
     """The package models.swa from `models_folder` (`sliding_window_fork`)."""
     import importlib
@@ -206,29 +228,31 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
     return result
 
 
-def torchrun_runs(runs: dict[str, tuple[int, list[str]]], folder: Path,
-                  timeout: int = 1800) -> dict[str, tuple[Path, str]]:
+def torchrun_runs(runs: dict[str, tuple[int, list[str]]], folder: Path, timeout: int = 1800,
+                  forks: Path | None = None) -> dict[str, tuple[Path, str]]:
     """Runs by name, each its number of processes and its train.py arguments, trained one after the other in one
     launch per number of processes (tests/train_runs.py): the layout tests' many tiny runs pay for starting Python and
     importing torch once. By name: the run's dump folder (in `folder`), and "" where every rank exited 0, else what
-    went wrong and the run's output."""
+    went wrong and the run's output. `forks`: a folder holding models/<fork> folders the runs may name."""
     outcomes = {}
     for nproc in sorted({nproc for nproc, _ in runs.values()}):
         launch = {name: [*args, "--job.dump_folder", str(folder / name)] for name, (n, args) in runs.items()
                   if n == nproc}
-        outcomes |= {name: (folder / name, problem) for name, problem in _launch_runs(nproc, launch, timeout).items()}
+        launched = _launch_runs(nproc, launch, timeout, forks)
+        outcomes |= {name: (folder / name, problem) for name, problem in launched.items()}
     return outcomes
 
 
-def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int) -> dict[str, str]:
+def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int, forks: Path | None) -> dict[str, str]:
     from train_runs import RUN_START
 
     with tempfile.TemporaryDirectory() as scratch:
         runs_file, status_file = Path(scratch) / "runs.json", Path(scratch) / "status.jsonl"
         runs_file.write_text(json.dumps(runs))
         cmd = _torchrun_command(nproc, "tests/train_runs.py", str(runs_file), str(status_file))
+        env = dict(os.environ, OMP_NUM_THREADS="1") | ({"PYTHONPATH": f"{forks}{os.pathsep}{REPO}"} if forks else {})
         try:
-            output = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+            output = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, timeout=timeout).stdout
         except subprocess.TimeoutExpired as e:
             output = (e.stdout or b"").decode() + f"\n[the launch timed out after {timeout} s]"

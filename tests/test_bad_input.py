@@ -102,10 +102,11 @@ def test_tensor_parallel_degree_that_does_not_divide_the_heads():
 
 
 def test_more_pipeline_stages_than_layers():
+    from models.llama3 import Transformer
     from parallelisms.pipeline import pipeline_module_names
 
     with pytest.raises(ConfigError) as error:
-        pipeline_module_names(n_layers=2, num_stages=4)
+        pipeline_module_names(2, 4, None, "layers", Transformer.pipeline_ends)
     assert str(error.value) == ("4 pipeline stages (parallelism.pipeline_parallel_degree x stages per rank) but "
                                 "model.n_layers is 2: every stage needs at least one block")
 

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY, import_fork, losses, metric_lines, sliding_window_fork, train_main
+from conftest import (
+    REPO,
+    TINY,
+    fork_with_renamed_modules,
+    import_fork,
+    losses,
+    metric_lines,
+    sliding_window_fork,
+    train_main,
+)
 
 from components.config import ConfigError
 from components.model_package import MODEL_EXPORTS, import_model_package
@@ -37,6 +46,95 @@ def test_an_unknown_model_name_is_one_clear_error(train_in_process, tmp_path, ca
     assert "model.name 'llama9': there is no package models/llama9" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="does not export"):
         import_model_package("llama3.model")  # a module without the contract
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_every_family_fulfils_the_model_contract(name):
+    from components.config import load_config
+    from components.model_contract import check_model_contract
+
+    package = import_model_package(name)
+    with torch.device("meta"):
+        model = package.Transformer(package.build_model_args(load_config(["--model.name", name]), 4096))
+    check_model_contract(model, name)
+
+
+def test_a_model_that_breaks_the_contract_is_refused_in_one_line_naming_what_it_lacks():
+    from components.model_contract import check_model_contract
+    from models.llama3 import ModelArgs, Transformer
+
+    def refusal(edit) -> str:
+        with torch.device("meta"):
+            model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64))
+        edit(model)
+        with pytest.raises(ConfigError) as error:
+            check_model_contract(model, "fork")
+        assert "\n" not in str(error.value) and str(error.value).startswith("model.name fork: its Transformer ")
+        return str(error.value).removeprefix("model.name fork: its Transformer ").split(" (the model contract")[0]
+
+    def renamed_without_declaring(model):
+        model.embed = model.tok_embeddings
+        del model.tok_embeddings
+
+    def no_blocks_method(model):
+        model.transformer_blocks = None
+
+    def own_mask_object(model):
+        model.layers["1"].attention.attention_mask = {"window": 16}
+
+    def blocks_keyed_by_name(model):
+        model.layers = torch.nn.ModuleDict({f"block{i}": block for i, block in model.layers.items()})
+
+    assert refusal(renamed_without_declaring) == ("names 'tok_embeddings' in pipeline_ends, which is none of its "
+                                                  "modules other than the blocks")
+    assert refusal(no_blocks_method) == "has no method transformer_blocks"
+    assert refusal(own_mask_object) == ("declares for layers.1.attention an attention_mask that is no AttentionMask "
+                                        "({'window': 16})")
+    assert refusal(blocks_keyed_by_name) == "has blocks keyed ['block0', 'block1'], not 0..1 (args.n_layers)"
+
+
+RENAMED_RUNS = {
+    "groups": ["--training.steps", "3", "--metrics.log_freq", "1", "--metrics.per_layer", "true", "--optimizer.name",
+               "Muon", "--model.mup", "true", "--model.mup_base_dim", "128"],
+    "export": ["--training.steps", "2", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+               "--checkpoint.last_save_in_hf", "true"],
+    "import": ["--training.steps", "1", "--checkpoint.initial_load_path", "{export}/hf/step-2"],
+}
+"""Muon's and µP's parameter groups (the blocks' matrices) with per-layer metrics; an export to Hugging Face (µP has
+no HF form); a run from that export."""
+
+
+def test_a_fork_that_renames_its_modules_trains_exports_and_imports_as_llama_does(tmp_path, monkeypatch,
+                                                                                  train_in_process):
+    """`blocks` for `layers`, `embed` for `tok_embeddings`, declared through the model contract: the same losses and
+    per-layer figures as Llama 3, bit for bit (the same initial weights, the same parameter groups), the same
+    Hugging Face export, tensor for tensor, which the fork then loads as Llama loads its own."""
+    from safetensors.torch import load_file
+
+    import models
+
+    fork_with_renamed_modules(tmp_path)
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path / "models")])
+    from models.renamed import ModelArgs, Transformer
+
+    with torch.device("meta"):
+        fork = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64))
+    assert not hasattr(fork, "layers") and not hasattr(fork, "tok_embeddings")
+    figures = {}
+    for name in ("llama3", "renamed"):
+        for run, args in RENAMED_RUNS.items():
+            args = [arg.format(export=tmp_path / name / "export") for arg in args]
+            dump = tmp_path / name / run
+            assert train_in_process([*TINY, *args, "--model.name", name, "--job.dump_folder", str(dump)]) == 0
+        timeless = [{k: v for k, v in line.items() if k not in ("time", "tokens_per_second", "memory_gib")}
+                    for line in metric_lines(tmp_path / name / "groups")]
+        figures[name] = (timeless, load_file(tmp_path / name / "export/hf/step-2/model.safetensors"),
+                         losses(tmp_path / name / "import"))
+    (llama_lines, llama_hf, llama_loaded), (fork_lines, fork_hf, fork_loaded) = figures.values()
+    assert sum("layers" in line for line in llama_lines) == 3 and sum("loss" in line for line in llama_lines) == 3
+    assert fork_lines == llama_lines
+    assert llama_hf.keys() == fork_hf.keys() and all(torch.equal(llama_hf[k], fork_hf[k]) for k in llama_hf)
+    assert fork_loaded == llama_loaded
 
 
 QK_NORM_EDITS = [  # docs/models.md, "Forking Llama 3 into your own model": (file, anchor, lines added after it)
@@ -102,13 +200,11 @@ def test_a_forked_model_with_qk_norm_trains_alike_on_one_process_and_under_tenso
 
 def fork_qwen3_with_its_own_moe(root: Path, name: str = "mymoe") -> Path:
     """A fork of Qwen3 under `root`/models with its own copy of models/moe.py (models/<name>/moe.py), whose MoE
-    class is therefore not models.moe.MoE."""
-    fork = root / "models" / name
-    shutil.copytree(REPO / "models" / "qwen3", fork, ignore=shutil.ignore_patterns("__pycache__"))
+    class is therefore not models.moe.MoE, and its modules renamed (`blocks`, `embed`: conftest.RENAMES)."""
+    fork = fork_with_renamed_modules(root, "qwen3", name)
     shutil.copyfile(REPO / "models" / "moe.py", fork / "moe.py")
     for path in fork.glob("*.py"):
-        path.write_text(path.read_text().replace("models.qwen3", f"models.{name}")
-                        .replace("from models.moe import", f"from models.{name}.moe import"))
+        path.write_text(path.read_text().replace("from models.moe import", f"from models.{name}.moe import"))
     return fork
 
 
@@ -140,7 +236,7 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
                              "--job.dump_folder", str(dump)]) == 0
     records = [m for m in metric_lines(dump) if "loss" in m]
     assert len(records) == 3 and all(m["moe_max_load"] >= 1 and "moe_aux_loss" in m for m in records)
-    biases = {f"model.layers.{i}.feed_forward.expert_bias": torch.empty(8) for i in range(2)}
+    biases = {f"model.blocks.{i}.feed_forward.expert_bias": torch.empty(8) for i in range(2)}
     with one_process():
         dcp.load(biases, checkpoint_id=str(dump / "checkpoint" / "step-3"), no_dist=True)
     assert all(bias.abs().max() > 1e-4 for bias in biases.values()), biases
@@ -153,7 +249,7 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
         model = package.Transformer(package.build_model_args(load_config(MOE_FORK_RUN), 4096))
     fullgraph = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: fullgraph.append(kwargs["fullgraph"]))
-    compile_blocks(model.layers)
+    compile_blocks(model.transformer_blocks())
     assert fullgraph == [False, False]
 
 

@@ -14,6 +14,7 @@ from conftest import (
     ON_PACKED,
     REPO,
     TINY,
+    fork_with_renamed_modules,
     initial_weights,
     losses,
     metric_lines,
@@ -50,6 +51,8 @@ COMPILE = ["--compile.enable", "true"]
 RING = ["--parallelism.context_parallel_method", "ring"]
 ALLTOALL = ["--parallelism.context_parallel_method", "alltoall"]
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+RENAMED_FORK = ["--model.name", "renamed"]
+PER_LAYER = ["--metrics.per_layer", "true"]
 
 LAYOUTS = {  # name: (processes, arguments), data
     "tp4": (layout(tp=4), "hf"),
@@ -93,6 +96,11 @@ LAYOUTS = {  # name: (processes, arguments), data
     "dp_shard2_tp2_compile_selective_2": (layout(dp_shard=2, tp=2, extra=[*COMPILE, "--activation_checkpoint.mode",
                                                                          "selective"]), "packed"),
     "tp2_compile_selective_op": (layout(tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
+    # Llama 3 with its modules renamed (`blocks`, `embed`) and declared through the model contract
+    # (conftest.fork_with_renamed_modules): every parallelism and the per-layer metrics (not with compile) find them.
+    "renamed_fork_dp_shard2_tp2_compile_full_ac": (layout(dp_shard=2, tp=2, extra=[
+        *COMPILE, "--activation_checkpoint.mode", "full", *RENAMED_FORK]), "packed"),
+    "renamed_fork_pp2_cp2_documents_per_layer": (layout(pp=2, cp=2, extra=[*RENAMED_FORK, *PER_LAYER]), "documents"),
 }
 DATA = {"hf": ON_HF, "packed": ON_PACKED,
         "documents": [*ON_PACKED, "--training.document_masking", "true", "--model.rope_per_document", "true"]}
@@ -175,7 +183,9 @@ def reference(references):
 def layout_runs(tmp_path_factory):
     """Every layout's dump folder and what went wrong ("" if nothing), by name."""
     runs = {name: (nproc, [*BASE, *DATA[data], *args]) for name, ((nproc, args), data) in LAYOUTS.items()}
-    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
+    forks = tmp_path_factory.mktemp("forks")
+    fork_with_renamed_modules(forks)
+    return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"), forks=forks)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -191,6 +201,10 @@ def test_layout_matches_one_process(name, references, layout_runs):
     assert val_losses(dump)[STEPS] == pytest.approx(val_losses(reference)[STEPS], rel=1e-3)
     # The weights' norm is the whole model's whatever the layout: sharded, split into stages or offloaded.
     assert param_norms(dump) == pytest.approx(param_norms(reference), rel=1e-5)
+    if PER_LAYER[0] in LAYOUTS[name][0][1]:  # every block's figures, whichever stage holds it
+        layers = [line["layers"] for line in metric_lines(dump) if "layers" in line]
+        assert len(layers) == STEPS and all(sorted(step) == ["0", "1", "2", "3"] for step in layers)
+        assert all(figure > 0 for step in layers for block in step.values() for figure in block.values())
 
 
 def data_hashes(dump) -> dict[int, int]:

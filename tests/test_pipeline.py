@@ -50,30 +50,39 @@ def make_config(schedule: str, local_batch: int = 8, microbatch: int = 2, layers
 # --- Splitting the model (one process) -------------------------------------------------------
 
 
+LLAMA = {"blocks": "layers", "ends": Transformer.pipeline_ends}
+
+
 def test_module_names_split_blocks_evenly_first_stages_taking_the_rest():
-    assert pipeline_module_names(4, 2) == [
+    assert pipeline_module_names(4, 2, None, **LLAMA) == [
         ["tok_embeddings", "layers.0", "layers.1"],
         ["layers.2", "layers.3", "norm", "output"],
     ]
-    assert pipeline_module_names(5, 3) == [
+    assert pipeline_module_names(5, 3, None, **LLAMA) == [
         ["tok_embeddings", "layers.0", "layers.1"],
         ["layers.2", "layers.3"],
         ["layers.4", "norm", "output"],
     ]
 
 
+def test_module_names_are_those_the_model_declares():
+    assert pipeline_module_names(3, 2, None, "blocks", (("embed", "embed_norm"), ("head",))) == [
+        ["embed", "embed_norm", "blocks.0", "blocks.1"], ["blocks.2", "head"],
+    ]
+
+
 def test_module_names_with_explicit_layers_per_stage():
-    assert pipeline_module_names(4, 4, layers_per_stage=1) == [
+    assert pipeline_module_names(4, 4, 1, **LLAMA) == [
         ["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "output"],
     ]
-    assert pipeline_module_names(6, 2, layers_per_stage=3)[1] == ["layers.3", "layers.4", "layers.5", "norm", "output"]
+    assert pipeline_module_names(6, 2, 3, **LLAMA)[1] == ["layers.3", "layers.4", "layers.5", "norm", "output"]
 
 
 def test_module_names_errors_name_the_settings():
     with pytest.raises(ConfigError, match=r"pipeline_parallel_layers_per_stage 3 x 2 stages = 6 .*n_layers is 4"):
-        pipeline_module_names(4, 2, layers_per_stage=3)
+        pipeline_module_names(4, 2, 3, **LLAMA)
     with pytest.raises(ConfigError, match=r"8 pipeline stages .*pipeline_parallel_degree.*n_layers is 4"):
-        pipeline_module_names(4, 8)
+        pipeline_module_names(4, 8, None, **LLAMA)
 
 
 def test_stage_ids_loop_and_v():

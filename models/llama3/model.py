@@ -234,6 +234,9 @@ class Transformer(nn.Module):
     used as they are (models/llama3/hf_mapping.py only renames them), so that even a sharded rank whose
     shard cuts through a head can load its own piece directly."""
 
+    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
+    """The modules before and after the blocks (components/model_contract.py)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -246,6 +249,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
         self.document_mask = document_mask
+
+    def transformer_blocks(self) -> nn.ModuleDict:
+        return self.layers
 
     @torch.no_grad()
     def init_weights(self) -> None:

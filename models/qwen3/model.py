@@ -174,6 +174,9 @@ class Transformer(nn.Module):
     document masking as models.llama3.model.Transformer (whose docstring explains them). RoPE is in
     Hugging Face's rotate-half layout, so an HF checkpoint's weights are used as they are."""
 
+    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
+    """The modules before and after the blocks (components/model_contract.py)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -186,6 +189,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
         self.document_mask = document_mask
+
+    def transformer_blocks(self) -> nn.ModuleDict:
+        return self.layers
 
     @torch.no_grad()
     def init_weights(self) -> None:

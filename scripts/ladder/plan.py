@@ -74,8 +74,9 @@ def count_params(config: Config, vocab: int, where: str) -> tuple[int, int]:
     with torch.device("meta"):
         model = package.Transformer(args)
     total = sum(p.numel() for p in model.parameters())
+    embedding = model.pipeline_ends[0]  # the modules before the blocks (components/model_contract.py)
     n_params = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
-                   if not name.endswith("tok_embeddings.weight"))
+                   if name.split(".")[0] not in embedding)
     return n_params, total
 
 

@@ -122,11 +122,12 @@ class StageParams:
 
 def count_params(shapes: dict[str, tuple[int, ...]], block: dict[str, tuple[int, ...]],
                  tp_dims: dict[str, int | None], dims: ParallelDims, fsdp_degree: int,
-                 moe: dict[str, bool]) -> StageParams:
+                 moe: dict[str, bool], blocks: str) -> StageParams:
     """The counts for the parameters `shapes` (name -> shape) of a rank's stages; `block`: those of
-    one transformer block. `moe`: the names of mixture-of-experts parameters, True for the experts'
-    (sharded over the ep ranks on dim 0), False for the routers' and shared experts'; FSDP shards
-    these over every rank that routes other tokens through them (parallelisms/expert_parallel.py)."""
+    one transformer block; `blocks`: the name of the model's child holding the blocks. `moe`: the names of
+    mixture-of-experts parameters, True for the experts' (sharded over the ep ranks on dim 0), False for the
+    routers' and shared experts'; FSDP shards these over every rank that routes other tokens through them
+    (parallelisms/expert_parallel.py)."""
     moe_degree = dims.dp_shard * dims.cp * dims.tp if fsdp_degree > 1 or dims.tp > 1 else 1
 
     def numel(subset: dict[str, tuple[int, ...]], sharded: bool) -> int:
@@ -142,7 +143,7 @@ def count_params(shapes: dict[str, tuple[int, ...]], block: dict[str, tuple[int,
                 total += local_numel(shape, None, 1, moe_degree if sharded else 1)
         return total
 
-    root = {name: shape for name, shape in shapes.items() if not name.startswith("layers.")}
+    root = {name: shape for name, shape in shapes.items() if not name.startswith(f"{blocks}.")}
     return StageParams(tp=numel(shapes, False), rank=numel(shapes, True), root_tp=numel(root, False),
                        block_tp=numel(block, False), largest=max(numel({n: s}, True) for n, s in shapes.items()))
 

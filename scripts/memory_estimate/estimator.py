@@ -19,6 +19,7 @@ from components.data.sources import reader_libraries
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
 from components.metrics import peak_rss_bytes
+from components.model_contract import blocks_name, check_model_contract
 from components.model_package import import_model_package
 from components.moe_layer import moe_layers
 from parallelisms.pipeline import family_split, is_multi_stage
@@ -142,8 +143,10 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     # Parameters of the whole model on meta (names, shapes, TP split), and the stages of the ranks.
     with torch.device("meta"):
         meta_model = model_package.Transformer(args)
+    check_model_contract(meta_model, config.model.name)
     shapes = {n: tuple(t.shape) for n, t in meta_model.named_parameters()}
-    block = {n: shape for n, shape in shapes.items() if n.startswith("layers.0.")}
+    blocks = blocks_name(meta_model)
+    block = {n: shape for n, shape in shapes.items() if n.startswith(f"{blocks}.0.")}
     tp_dims = tp_shard_dims(meta_model, model_package.tensor_parallel_plan(meta_model, False))
     moe = moe_parameters(meta_model)
     n_params = sum(math.prod(s) for s in shapes.values())
@@ -173,9 +176,10 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     candidates = []
     for pp_rank, parts in stages.items():
         rank_shapes = {n: tuple(t.shape) for part in parts for n, t in part.named_parameters()}
-        rank = RankStages(pp_rank, count_params(rank_shapes, block, tp_dims, dims, fsdp_degree, moe), [])
+        rank = RankStages(pp_rank, count_params(rank_shapes, block, tp_dims, dims, fsdp_degree, moe, blocks), [])
         for part in parts:
-            kind = (len(part.layers), part.tok_embeddings is not None, part.output is not None)
+            kind = (len(part.transformer_blocks()),
+                    *(all(getattr(part, name) is not None for name in ends) for ends in part.pipeline_ends))
             if kind not in simulations:
                 simulations[kind] = simulate_micro_batch(
                     model_package, args, batch=micro_batch, seq=layout.local_seq, dtype=compute, ac_mode=ac_mode,

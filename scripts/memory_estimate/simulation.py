@@ -19,6 +19,7 @@ from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import (
+    attach_context_parallel,
     documents_attention,
     zigzag_attention,
     zigzag_masks,
@@ -74,6 +75,7 @@ class StorageTracker(TorchDispatchMode):
     def watch_grads(self, model: torch.nn.Module) -> None:
         """Reclassify each parameter's gradient when autograd stores it: `block_grads` for the
         transformer blocks' parameters, `root_grads` for the others (embeddings, norm, output)."""
+        in_blocks = {id(p) for p in model.transformer_blocks().parameters()}
 
         def hook(param: torch.Tensor, category: str) -> None:
             st = param.grad.untyped_storage()
@@ -83,8 +85,8 @@ class StorageTracker(TorchDispatchMode):
                 self.other -= entry[1]
                 setattr(self, category, getattr(self, category) + entry[1])
 
-        for name, param in model.named_parameters():
-            category = "block_grads" if name.startswith("layers.") else "root_grads"
+        for param in model.parameters():
+            category = "block_grads" if id(param) in in_blocks else "root_grads"
             param.register_post_accumulate_grad_hook(lambda p, c=category: hook(p, c))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -248,10 +250,9 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
         model = model_package.Transformer(stage_args)
         if flex_mask is not None:
             model.document_mask = lambda ids, spec: flex_mask
-        if not first:
-            model.tok_embeddings = None
-        if not last:
-            model.norm = model.output = None
+        first_modules, last_modules = model.pipeline_ends
+        for name in (*([] if first else first_modules), *([] if last else last_modules)):
+            setattr(model, name, None)  # as a pipeline stage without that end
         if dtype != torch.float32:  # FSDP's mixed precision: parameters in the compute dtype, buffers as they are
             converted = {}
             for module in model.modules():
@@ -263,15 +264,17 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             attention, positions = context_parallel_attention(cp, seq, cp_method, target, masks)
             shares = torch.stack([zigzag_positions(seq * cp, cp, rank) for rank in range(cp)])  # of one document
             whole_mask = model.document_mask
-            model.local_positions = lambda ids: positions if ids is None else positions.expand(len(ids), -1)
-            model.document_mask = lambda ids, spec: ShardedDocuments(ids, shares.expand(len(ids), -1, -1),
-                                                                     whole_mask(ids, spec) if plan is None else plan)
-            for module in model.modules():
-                if hasattr(module, "sdpa"):
-                    module.sdpa = attention
+            attach_context_parallel(
+                model,
+                lambda ids: positions if ids is None else positions.expand(len(ids), -1),
+                lambda ids, spec: ShardedDocuments(ids, shares.expand(len(ids), -1, -1),
+                                                   whole_mask(ids, spec) if plan is None else plan),
+                lambda layer: attention,
+            )
         for _, layer in moe_layers(model):
             layer.dispatcher = balanced_dispatch
-        apply_activation_checkpointing(model.layers, ac_mode, ac_option, ring_attention=cp > 1 and cp_method == "ring")
+        apply_activation_checkpointing(model.transformer_blocks(), ac_mode, ac_option,
+                                       ring_attention=cp > 1 and cp_method == "ring")
         model.train()
         tracker = StorageTracker()
         tracker.ignore([*model.parameters(), *model.buffers()])
@@ -292,7 +295,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             marks["forward"] = len(tracker.samples)
             output.register_hook(lambda grad: marks.setdefault("backward", len(tracker.samples)) and None)
 
-        blocks = list(model.layers.values())
+        blocks = list(model.transformer_blocks().values())
         for block in blocks:
             block.register_forward_pre_hook(before)
             block.register_forward_hook(after)
@@ -318,8 +321,10 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                 out.backward(grad)
                 del grad
             del out, inputs
-        root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers.")) * dtype.itemsize
-        block = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * dtype.itemsize
+        blocks = model.transformer_blocks()
+        in_blocks = sum(p.numel() for p in blocks.parameters())
+        root = (sum(p.numel() for p in model.parameters()) - in_blocks) * dtype.itemsize
+        block = sum(p.numel() for p in blocks["0"].parameters()) * dtype.itemsize
     samples = tracker.samples
     extra = n_blocks - k
     if extra:
