@@ -1,11 +1,11 @@
 """Attention kernels shared by the model families, and the mask a model declares for each attention layer.
 
 RoPE in the rotate-half layout; causal attention through scaled_dot_product_attention (grouped-query when k and v
-have fewer heads than q), within a sliding window of keys when the layer declares one (`AttentionMask`); document
-masking (FlexAttention on CUDA, a dense boolean mask elsewhere); and the tensor-parallel plan of QK-norm. A family's
-Attention module projects q, k, v, declares its `attention_mask` and calls `causal_attention` as its `sdpa`;
-context parallelism (parallelisms/context_parallel.py) reads the same declaration. They live in components/ because
-both models/ and parallelisms/ use them. A fork that changes them for every family edits this file.
+have fewer heads than q), under the sliding window, attention sinks or mask_mod a layer declares (`AttentionMask`);
+document masking (FlexAttention on CUDA, a dense boolean mask elsewhere); and the tensor-parallel plan of
+QK-norm. A family's Attention module projects q, k, v, declares its `attention_mask` and calls `causal_attention` as
+its `sdpa`; context parallelism (parallelisms/context_parallel.py) reads the same declaration. They live in
+components/ because both models/ and parallelisms/ use them. A fork that changes them for every family edits this file.
 """
 
 from __future__ import annotations
@@ -21,21 +21,54 @@ from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from components.data.documents import document_positions
+
 
 @dataclass(frozen=True)
 class AttentionMask:
     """Which keys an attention layer's queries see, declared by the model on each attention module (its
     `attention_mask` attribute) and passed to its `sdpa` on every call: the keys at or before the query (causal),
-    within its document under document masking, and with `window` only the last `window` of them, the query's own
-    included (the sliding window of Mistral, Gemma 2/3 and gpt-oss; a per-layer choice gives their local/global
-    patterns). Every context-parallel method honours it; a layer whose `sdpa` is not `causal_attention` has a
-    mask context parallelism cannot see, and allgather and ring, which replace that kernel, refuse it."""
+    within its document under document masking, and
+
+    - with `window`, only the last `window` of them, the query's own included (the sliding window of Mistral,
+      Gemma 2/3 and gpt-oss; a per-layer choice gives their local/global patterns),
+    - with `sinks` besides, also the first `sinks` keys of the sequence (of the query's document under document
+      masking), which every query keeps seeing (StreamingLLM's attention sinks),
+    - with `mask_mod`, only where mask_mod(q_idx, kv_idx) holds: a predicate of the query's and the key's positions
+      in the whole sequence, written as for FlexAttention (tensors in, a boolean tensor out, broadcasting), that can
+      only take keys away, and must leave each query its own key.
+
+    Every context-parallel method honours it; a layer whose `sdpa` is not `causal_attention` has a mask context
+    parallelism cannot see, and allgather and ring, which replace that kernel, refuse it."""
 
     window: int | None = None
+    sinks: int = 0
+    mask_mod: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.window is not None and self.window < 1:
             raise ValueError(f"AttentionMask window {self.window}: a query sees at least itself (window >= 1)")
+        if self.sinks and (self.window is None or self.sinks < 0):
+            raise ValueError(f"AttentionMask sinks {self.sinks}: sinks (>= 0) are the keys kept besides a window")
+
+    def allows(self, q_idx: torch.Tensor, kv_idx: torch.Tensor,
+               key_in_document: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether the query at position q_idx sees the key at kv_idx, documents aside (tensors that broadcast, or
+        FlexAttention's mask_mod arguments): at or before it, within the window or among the sinks (by the key's
+        position in its document, `key_in_document`, when given), and where mask_mod holds."""
+        allowed = q_idx >= kv_idx
+        if self.window is not None:
+            near = q_idx - kv_idx < self.window
+            if self.sinks:
+                near = near | ((kv_idx if key_in_document is None else key_in_document) < self.sinks)
+            allowed = allowed & near
+        if self.mask_mod is not None:
+            allowed = allowed & self.mask_mod(q_idx, kv_idx)
+        return allowed
+
+    def first_key(self, first_query: int) -> int:
+        """The earliest key a query at `first_query` or after may see, documents aside."""
+        return max(0, first_query - self.window + 1) if self.window is not None and not self.sinks else 0
 
 
 CAUSAL = AttentionMask()
@@ -60,16 +93,16 @@ def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:
 
 
 def visible_keys(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 spec: AttentionMask = CAUSAL) -> torch.Tensor:
     """(batch, queries, keys) booleans ((queries, keys) without documents): whether the query at q_positions may
-    see the key at k_positions: at or before it, within `window` of it, in its document. document_ids: (batch,
-    seq), of the whole sequence, or None; positions (batch, n) per row, or (n,) shared by the rows."""
+    see the key at k_positions under `spec`, in its document. document_ids: (batch, seq), of the whole sequence, or
+    None; positions (batch, n) per row, or (n,) shared by the rows."""
+    key_in_document = None
     if document_ids is not None:
         q_positions, k_positions = (p.expand(len(document_ids), -1) for p in (q_positions, k_positions))
-    distance = q_positions[..., :, None] - k_positions[..., None, :]
-    allowed = distance >= 0
-    if window is not None:
-        allowed = allowed & (distance < window)
+        if spec.sinks:
+            key_in_document = document_positions(document_ids).gather(1, k_positions)[..., None, :]
+    allowed = spec.allows(q_positions[..., :, None], k_positions[..., None, :], key_in_document)
     if document_ids is not None:
         allowed = allowed & (document_ids.gather(1, q_positions)[:, :, None]
                              == document_ids.gather(1, k_positions)[:, None, :])
@@ -110,9 +143,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     modules' `sdpa`."""
     if mask is not None:
         return masked_attention(q, k, v, mask)
-    if spec.window is None:
+    if spec == CAUSAL:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return sliding_window_attention(q, k, v, spec.window)
+    return declared_attention(q, k, v, spec)
 
 
 @functools.cache
@@ -137,50 +170,51 @@ def use_flex_attention(device: torch.device) -> bool:
 
 
 WINDOW_CHUNK = 256
-"""The fewest queries `sliding_window_attention` attends at once on CPU."""
+"""The fewest queries `declared_attention` attends at once on CPU."""
 
 
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal attention within a sliding `window` over (batch, heads, seq, head_dim). Under FlexAttention (CUDA), one
-    kernel that skips the blocks outside the window. Elsewhere by chunks of max(window, WINDOW_CHUNK) queries, each
-    attending to the keys from window - 1 before its first query to its last under a boolean band mask of that
-    size: work and memory grow with the sequence times the window, not with its square."""
+def declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionMask) -> torch.Tensor:
+    """Causal attention under a window, sinks or a mask_mod over (batch, heads, seq, head_dim). Under FlexAttention
+    (CUDA), one kernel that skips the blocks the spec masks whole. Elsewhere by chunks of max(window, WINDOW_CHUNK)
+    queries, each attending to the keys from the first its queries may see to its last under a boolean mask of that
+    size (`chunk_attention`): under a window without sinks, work and memory grow with the sequence times the window,
+    not with its square."""
     seq, gqa = q.shape[2], q.shape[1] != k.shape[1]
     if use_flex_attention(q.device):
-        return compiled_flex_attention(q, k, v, block_mask=_window_block_mask(seq, window, str(q.device)),
+        return compiled_flex_attention(q, k, v, block_mask=_declared_block_mask(seq, spec, str(q.device)),
                                        enable_gqa=gqa)
-    chunk = max(window, WINDOW_CHUNK)
-    return torch.cat([window_chunk_attention(q[:, :, first:first + chunk], k, v, first, window)
+    chunk = max(spec.window or 0, WINDOW_CHUNK)
+    return torch.cat([chunk_attention(q[:, :, first:first + chunk], k, v, first, spec)
                       for first in range(0, seq, chunk)], dim=2)
 
 
-def window_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, spec: AttentionMask) -> torch.Tensor:
     """Attention of the queries q (batch, heads, n, head_dim) at positions first to first + n - 1 to the keys and
-    values k, v of the whole sequence (positions from 0) within a sliding `window`: only the keys from window - 1
-    before the first query to the last are read, under a boolean band mask of that size."""
+    values k, v of the whole sequence (positions from 0) under `spec`: only the keys from the first the queries may
+    see (`AttentionMask.first_key`) to the last query are read, under a boolean mask of that size."""
     end = first + q.shape[2]
-    start = max(0, first - window + 1)
+    start = spec.first_key(first)
     mask = visible_keys(None, torch.arange(first, end, device=q.device), torch.arange(start, end, device=q.device),
-                        window)
+                        spec)
     return F.scaled_dot_product_attention(q, k[:, :, start:end], v[:, :, start:end], attn_mask=mask,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 @functools.lru_cache(maxsize=8)
-def _window_block_mask(seq: int, window: int, device: str) -> BlockMask:
-    """Built once per shape: it depends on nothing else."""
+def _declared_block_mask(seq: int, spec: AttentionMask, device: str) -> BlockMask:
+    """Built once per shape and declaration: it depends on nothing else."""
 
-    def sliding_window_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    def declared(b, h, q_idx, kv_idx):
+        return spec.allows(q_idx, kv_idx)
 
-    return create_block_mask(sliding_window_causal, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
+    return create_block_mask(declared, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
                              _compile=device.startswith("cuda"))
 
 
 def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
                   flex: bool | None = None) -> torch.Tensor | BlockMask:
-    """The mask letting each query see the keys at or before it in the same document, and within the
-    `spec`'s window.
+    """The mask letting each query see the keys `spec` allows (at or before it, within its window or among the
+    sinks, where its mask_mod holds) in the same document.
 
     document_ids: (batch, seq). Returns a FlexAttention BlockMask if `flex` (default:
     `use_flex_attention` on the ids' device), else a boolean (batch, 1, seq, seq) mask (True:
@@ -188,19 +222,19 @@ def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
     batch, seq = document_ids.shape
     if flex is None:
         flex = use_flex_attention(document_ids.device)
-    window = spec.window if spec.window is not None else seq
     if flex:
+        within = document_positions(document_ids) if spec.sinks else None
 
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return ((q_idx >= kv_idx) & (q_idx - kv_idx < window)
-                    & (document_ids[b, q_idx] == document_ids[b, kv_idx]))
+        def same_document(b, h, q_idx, kv_idx):
+            key_in_document = None if within is None else within[b, kv_idx]
+            return spec.allows(q_idx, kv_idx, key_in_document) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
         # Compiled on CUDA: eager, the mask is built from a dense (batch, seq, seq) evaluation of
         # mask_mod, gigabytes at seq 8192.
-        return create_block_mask(same_document_causal, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
+        return create_block_mask(same_document, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
                                  device=document_ids.device, _compile=document_ids.device.type == "cuda")
     positions = torch.arange(seq, device=document_ids.device)
-    return visible_keys(document_ids, positions, positions, spec.window)[:, None]
+    return visible_keys(document_ids, positions, positions, spec)[:, None]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:

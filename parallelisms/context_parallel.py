@@ -47,9 +47,9 @@ from components.attention import (
     AttentionMask,
     attention_layers,
     causal_attention,
+    chunk_attention,
     masked_attention,
     visible_keys,
-    window_chunk_attention,
 )
 from components.config import ConfigError
 from parallelisms.context_parallel_documents import (
@@ -126,33 +126,33 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
     """Causal attention of this rank's queries to the keys and values of the whole sequence, under the layer's
     declared `spec`, within documents given a `mask` of `allgather_documents` (else under the rank's
-    `zigzag_masks`, or within the spec's window).
+    `zigzag_masks`, or under the spec's window, sinks or mask_mod).
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding this rank's share of the tokens; n_kv_heads may divide n_heads (grouped-query
     attention). Returns a tensor shaped like q."""
     if mask is not None:
-        return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec.window)
+        return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec)
     gathered = _gather_shares(torch.stack([k, v]), cp_mesh)  # one all-gather for both
     k, v = zigzag_to_sequence_order(gathered, cp_mesh.size())
-    if spec.window is not None:
-        return zigzag_window_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec.window)
+    if spec != CAUSAL:
+        return zigzag_declared_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec)
     return zigzag_attention(q, k, v, masks)
 
 
 def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh,
-                                   window: int | None) -> torch.Tensor:
+                                   spec: AttentionMask) -> torch.Tensor:
     """allgather under document masking: the gathered keys and values put in sequence order, row by row."""
     shares = documents.shares.flatten(1)  # (batch, seq): the positions of the gathered keys, in rank order
     k, v = take(_gather_shares(torch.stack([k, v]), cp_mesh), shares.argsort(dim=1), dim=3, batch_dim=1)
-    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), window)
+    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), spec)
 
 
 def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: ShardedDocuments,
-                        cp_rank: int, window: int | None = None) -> torch.Tensor:
+                        cp_rank: int, spec: AttentionMask = CAUSAL) -> torch.Tensor:
     """allgather's attention under document masking once the keys and values of the whole sequence are gathered:
     each of rank `cp_rank`'s two query chunks attends to the range of keys the mask's plan gives it
-    (`allgather_documents`), at or before each query, within its `window`, in its document: under the plan's
+    (`allgather_documents`), those `spec` lets each query see in its document: under the plan's
     FlexAttention mask on CUDA, a boolean one built here elsewhere. No process group: the memory estimator runs
     it on fake tensors."""
     chunk = q.shape[2] // 2
@@ -161,18 +161,18 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
         rows = slice(j * chunk, (j + 1) * chunk)
         if mask is None:
             keys = torch.arange(start, end, device=q.device)
-            mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys, window)[:, None]
+            mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys, spec)[:, None]
         outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask))
     return torch.cat(outputs, dim=2)
 
 
-def zigzag_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
-                            window: int) -> torch.Tensor:
-    """`zigzag_attention` within a sliding window: each of the rank's two query chunks attends to the keys from
-    `window` - 1 before its first query to its last, so the work and the scores' memory fall with the window. No
-    process group: the memory estimator runs it on fake tensors."""
+def zigzag_declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
+                              spec: AttentionMask) -> torch.Tensor:
+    """`zigzag_attention` under a window, sinks or a mask_mod: each of the rank's two query chunks attends to the
+    keys from the first its queries may see to its last (`chunk_attention`), so under a window the work and the
+    scores' memory fall with it. No process group: the memory estimator runs it on fake tensors."""
     chunk = q.shape[2] // 2
-    return torch.cat([window_chunk_attention(q_chunk, k, v, index * chunk, window)
+    return torch.cat([chunk_attention(q_chunk, k, v, index * chunk, spec)
                       for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank))], dim=2)
 
 

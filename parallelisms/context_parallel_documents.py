@@ -115,37 +115,37 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int,
 def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
                         cp_rank: int, facts: ChunkFacts = chunk_facts) -> ShardedDocuments:
     """allgather's mask for the layers declaring `spec`: each of this rank's query chunks sees the keys from the
-    earliest start of its first query's document, or of its window, (over the rows) to its latest end; on CUDA
-    under a FlexAttention mask, built here once for every such layer."""
+    earliest start of its first query's document, or of its window (without sinks), over the rows, to its latest
+    end; on CUDA under a FlexAttention mask, built here once for every such layer."""
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
     shares = share_positions(document_ids, cp_size, chunks)
     mine = chunks[:, cp_rank].tolist()
     flex = attention.use_flex_attention(document_ids.device)
-    window = spec.window if spec.window is not None else document_ids.shape[1]
     plan = []
     for j in range(2):
-        start = min(max(doc_starts[row][share[j]], share[j] * size - window + 1) for row, share in enumerate(mine))
+        start = min(max(doc_starts[row][share[j]], spec.first_key(share[j] * size)) for row, share in enumerate(mine))
         end = max((share[j] + 1) * size for share in mine)
         queries = shares[:, cp_rank, j * size:(j + 1) * size]
-        block_mask = chunk_block_mask(document_ids, queries, start, end, window) if flex else None
+        block_mask = chunk_block_mask(document_ids, queries, start, end, spec) if flex else None
         plan.append(KeyRange(start, end, block_mask))
     return ShardedDocuments(document_ids, shares, plan)
 
 
 def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: int, end: int,
-                     window: int) -> BlockMask:
-    """FlexAttention's mask of the queries at positions `queries` (batch, n) against the keys [start, end): at or
-    before each query, within `window` of it, in its document. Compiled on CUDA, as components/attention.py's
-    `document_mask`."""
+                     spec: AttentionMask) -> BlockMask:
+    """FlexAttention's mask of the queries at positions `queries` (batch, n) against the keys [start, end): those
+    `spec` lets each query see, in its document. Compiled on CUDA, as components/attention.py's `document_mask`."""
     first_key = torch.tensor(start, device=document_ids.device)  # a tensor: a new start does not recompile
+    within = document_positions(document_ids) if spec.sinks else None
 
-    def same_document_causal(b, h, q_idx, kv_idx):
+    def same_document(b, h, q_idx, kv_idx):
         query, key = queries[b, q_idx], first_key + kv_idx
-        return (query >= key) & (query - key < window) & (document_ids[b, query] == document_ids[b, key])
+        key_in_document = None if within is None else within[b, key]
+        return spec.allows(query, key, key_in_document) & (document_ids[b, query] == document_ids[b, key])
 
-    return create_block_mask(same_document_causal, B=len(document_ids), H=None, Q_LEN=queries.shape[1],
+    return create_block_mask(same_document, B=len(document_ids), H=None, Q_LEN=queries.shape[1],
                              KV_LEN=end - start, device=document_ids.device,
                              _compile=document_ids.device.type == "cuda")
 
@@ -155,14 +155,15 @@ def ring_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, 
     """ring's mask for the layers declaring `spec`: whether this rank's query chunk a sees any key of chunk b of
     owner o's block, in any row. Documents are contiguous and in order, so a chunk of keys before the queries'
     chunk holds keys they see exactly when its last key is in the document of their first query, and within the
-    window of that query."""
+    window of that query or the layer keeps sinks (the first keys of that document). A mask_mod only takes keys
+    away: the blocks it empties are attended, and give nothing."""
     doc_starts, first_doc, last_doc = facts(document_ids, 2 * cp_size)
     size = document_ids.shape[1] // (2 * cp_size)
     chunks = _assign(doc_starts, cp_size, size)
 
     def sees(row: int, query: int, key: int) -> bool:
         return key == query or (key < query and last_doc[row][key] == first_doc[row][query]
-                                and chunk_in_window(query, key, size, spec.window))
+                                and (spec.sinks > 0 or chunk_in_window(query, key, size, spec.window)))
 
     rows = chunks.tolist()
     blocks = [[[any(sees(row, share[cp_rank][a], share[owner][b]) for row, share in enumerate(rows))

@@ -18,7 +18,9 @@ document in a pair takes nothing from it (its log-sum-exp there is -inf).
 
 Under a sliding window a layer declares (components/attention.py's AttentionMask), the blocks go by chunk pairs
 too: a pair whose keys are all out of the window of its queries is skipped, one the window cuts is attended under
-a bias (also within documents), the others as above, so the work falls with the window.
+a bias (also within documents), the others as above, so the work falls with the window. Attention sinks keep every
+causal pair (the first keys are seen from everywhere), and a mask_mod puts a bias on every pair, which it may
+leave without a key for some queries: those take nothing from it, as above.
 
 The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
 its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
@@ -78,10 +80,10 @@ def _aligned(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def block_bias(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,
-               dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+               dtype: torch.dtype, spec: AttentionMask = CAUSAL) -> torch.Tensor:
     """(batch, 1, queries, keys), or (1, 1, queries, keys) without documents: 0 where the query may see the key
-    (`visible_keys`), -inf elsewhere."""
-    allowed = visible_keys(document_ids, q_positions, k_positions, window)
+    under `spec` (`visible_keys`), -inf elsewhere."""
+    allowed = visible_keys(document_ids, q_positions, k_positions, spec)
     allowed = allowed[:, None] if document_ids is not None else allowed[None, None]
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
@@ -171,36 +173,36 @@ def _block_slices(owner: int, rank: int, chunk: int):
     return slice(chunk, None), every, False  # both its chunks are before this rank's second chunk only
 
 
-def _window_parts(q, rank: int, owner: int, size: int, window: int):
-    """`_blocks` without documents under a sliding window: the zigzag chunk pairs with a key in the window of a
-    query; a bias only where the window cuts a pair (a diagonal pair wider than the window, or keys partly out of
-    reach)."""
+def _declared_parts(q, rank: int, owner: int, size: int, spec: AttentionMask):
+    """`_blocks` without documents under a window, sinks or a mask_mod: the zigzag chunk pairs with a key a query
+    may see (all the causal ones but those wholly out of a window without sinks); a bias where the spec cuts a pair
+    (a mask_mod, sinks, a diagonal pair wider than the window, or keys partly out of reach)."""
     chunk = q.shape[2] // 2
     mine, theirs = (rank, 2 * size - 1 - rank), (owner, 2 * size - 1 - owner)
     parts = []
     for a, b in sorted(((a, b) for a in range(2) for b in range(2)), key=lambda pair: pair[0] != pair[1]):
         query, key = mine[a], theirs[b]
-        if key > query or not chunk_in_window(query, key, chunk, window):
+        if key > query or not (spec.sinks or chunk_in_window(query, key, chunk, spec.window)):
             continue
         rows, keys = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
         reach = (query - key + 1) * chunk - 1  # the farthest pair's distance
-        if reach < window:  # every key the queries may see (the diagonal: causally) is in reach
-            parts.append((rows, keys, key == query, None, key == query))
+        if spec.mask_mod is None and not spec.sinks and (spec.window is None or reach < spec.window):
+            parts.append((rows, keys, key == query, None, key == query))  # every key in reach (the diagonal: causally)
             continue
         positions = [torch.arange(index * chunk, (index + 1) * chunk, device=q.device) for index in (query, key)]
-        parts.append((rows, keys, False, block_bias(None, *positions, q.dtype, window), key == query))
+        parts.append((rows, keys, False, block_bias(None, *positions, q.dtype, spec), key == query))
     return parts
 
 
 def _blocks(q, documents, rank: int, owner: int, size: int, spec: AttentionMask = CAUSAL):
     """The parts of `owner`'s block of keys and values this rank attends to (of `size` ranks): [(query slice, key
-    slice, causal, bias, first)]; the bias masks by document, position and the `spec`'s window, where needed;
-    `first`: the first part of these queries, in which each sees a key (itself). Under document masking, the
-    chunk pairs `documents.plan` keeps, the rank's own two chunks' diagonal pairs first."""
+    slice, causal, bias, first)]; the bias masks by document, position and the `spec`, where needed; `first`: the
+    first part of these queries, in which each sees a key (itself). Under document masking, the chunk pairs
+    `documents.plan` keeps, the rank's own two chunks' diagonal pairs first."""
     chunk = q.shape[2] // 2
     if documents is None:
-        if spec.window is not None:
-            return _window_parts(q, rank, owner, size, spec.window)
+        if spec != CAUSAL:
+            return _declared_parts(q, rank, owner, size, spec)
         return [(*_block_slices(owner, rank, chunk), None, owner == rank)]
     plan, shares = documents.plan.tolist(), documents.shares
     pairs = sorted(((a, b) for a in range(2) for b in range(2) if plan[a][owner][b]),
@@ -208,8 +210,7 @@ def _blocks(q, documents, rank: int, owner: int, size: int, spec: AttentionMask 
     parts = []
     for a, b in pairs:
         rows, keys = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
-        bias = block_bias(documents.document_ids, shares[:, rank, rows], shares[:, owner, keys], q.dtype,
-                          spec.window)
+        bias = block_bias(documents.document_ids, shares[:, rank, rows], shares[:, owner, keys], q.dtype, spec)
         parts.append((rows, keys, False, bias, owner == rank and a == b))
     return parts
 
@@ -278,8 +279,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
     zigzag shares; n_kv_heads may divide n_heads. Given `documents` (the attention modules' mask under document
-    masking, `ring_documents`: the shares are then by documents), within documents; within the layer's declared
-    `spec`'s window, skipping the blocks wholly outside it. Returns a tensor shaped like q.
+    masking, `ring_documents`: the shares are then by documents), within documents; under the layer's declared
+    `spec` (window, sinks, mask_mod), skipping the blocks wholly outside a window. Returns a tensor shaped like q.
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""

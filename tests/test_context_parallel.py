@@ -4,6 +4,7 @@ gloo processes matching the full sequence on one process (outputs and gradients,
 import contextlib
 import copy
 import gc
+import itertools
 import warnings
 from functools import partial
 from types import SimpleNamespace
@@ -34,7 +35,13 @@ from parallelisms.context_parallel import (
     zigzag_masks,
     zigzag_positions,
 )
-from parallelisms.context_parallel_documents import allgather_documents, ring_documents, share_positions, take
+from parallelisms.context_parallel_documents import (
+    allgather_documents,
+    alltoall_documents,
+    ring_documents,
+    share_positions,
+    take,
+)
 from parallelisms.ring_attention import block_backward, block_bias, block_forward, merge_into, ring_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -320,6 +327,46 @@ def check_attention(cp_mesh) -> None:
                                        msg=f"{method} {name}")
 
 
+def every_third_key(q_idx, kv_idx):
+    """A mask_mod (positions in the whole sequence): no query sees the keys 1, 4, 7, ... positions before it."""
+    return (q_idx - kv_idx) % 3 != 1
+
+
+DECLARED = {"window_sinks": attention.AttentionMask(window=3, sinks=2),
+            "mask_mod": attention.AttentionMask(mask_mod=every_third_key),
+            "window_mask_mod": attention.AttentionMask(window=5, mask_mod=every_third_key)}
+"""Declarations beyond a plain window, each cutting through the chunks at CP 2 and 4 (sequence 16)."""
+
+
+def check_declared_masks(cp_mesh) -> None:
+    """Outputs and q/k/v gradients of each method's attention under attention sinks and mask_mods, with and
+    without documents, are this rank's share of one process's attention under the same declaration."""
+    cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    torch.manual_seed(0)  # the same full tensors on every rank
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    projection = torch.randn(2, 4, 16, 8)
+    masks = zigzag_masks(16, cp_size, cp_rank)
+    methods = {"allgather": (partial(allgather_kv_attention, cp_mesh=cp_mesh, masks=masks),
+                             partial(allgather_documents, cp_size=cp_size, cp_rank=cp_rank)),
+               "ring": (partial(ring_attention, cp_mesh=cp_mesh),
+                        partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank)),
+               "alltoall": (partial(alltoall_attention, cp_mesh=cp_mesh, attend=causal_attention),
+                            partial(alltoall_documents, cp_size=cp_size, whole_mask=document_mask))}
+    for (name, spec), ids in itertools.product(DECLARED.items(), (None, packed_rows(2, 16, 5))):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        full_out = causal_attention(*full, None if ids is None else document_mask(ids, spec), spec)
+        (full_out * projection).sum().backward()
+        share = partial(shard_sequence, cp_mesh=cp_mesh, dim=2, document_ids=ids)
+        for method, (attend, documents) in methods.items():
+            what = f"{method} {name}{'' if ids is None else ' documents'}"
+            local = [share(t).requires_grad_() for t in (q, k, v)]
+            out = attend(*local, None if ids is None else documents(ids, spec), spec)
+            torch.testing.assert_close(out, share(full_out.detach()), **TOL, msg=what)
+            (out * share(projection)).sum().backward()
+            for grad, t_local, t_full in zip("qkv", local, full):
+                torch.testing.assert_close(t_local.grad, share(t_full.grad), **TOL, msg=f"{what} d{grad}")
+
+
 WINDOW = 5
 """The fork's window in these checks: at CP 2 (chunks of 4) and 4 (chunks of 2) it cuts through chunks."""
 
@@ -439,6 +486,12 @@ def test_a_sliding_window_fork_under_every_method_matches_one_process(cp_size, t
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_attention_of_every_method_matches_the_full_sequence(cp_size, tmp_path):
     run_ranks(check_attention, cp_size, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_attention_sinks_and_mask_mods_under_every_method_match_one_process(cp_size, tmp_path):
+    run_ranks(check_declared_masks, cp_size, tmp_path)
 
 
 @pytest.mark.slow

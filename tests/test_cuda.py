@@ -131,19 +131,26 @@ def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_he
         assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["window", "window_documents"])
-def test_flex_sliding_window_matches_the_dense_band_forward_and_backward(documents):
-    """A declared sliding window on CUDA: the FlexAttention kernel (bf16), with and without documents, against
-    SDPA under the dense boolean mask of the same window (fp32): output and gradients of q, k, v."""
+def every_third_key(q_idx, kv_idx):
+    return (q_idx - kv_idx) % 3 != 1
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["alone", "documents"])
+@pytest.mark.parametrize("declared", [dict(window=100), dict(window=100, sinks=4), dict(mask_mod=every_third_key)],
+                         ids=["window", "window_sinks", "mask_mod"])
+def test_flex_attention_under_a_declared_mask_matches_the_dense_mask_forward_and_backward(documents, declared):
+    """A declared sliding window, with attention sinks, or a mask_mod on CUDA: the FlexAttention kernel (bf16),
+    with and without documents, against SDPA under the dense boolean mask of the same declaration (fp32): output
+    and gradients of q, k, v."""
     from components.attention import AttentionMask, causal_attention, visible_keys
 
-    spec, seq = AttentionMask(window=100), 512
+    spec, seq = AttentionMask(**declared), 512
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, heads, seq, 64, device="cuda", generator=generator).bfloat16() for heads in (8, 2, 2))
     probe = torch.randn(2, 8, seq, 64, device="cuda", generator=generator)
     ids = torch.tensor([[0] * 300 + [1] * 212, [0] * 512], device="cuda") if documents else None
     positions = torch.arange(seq, device="cuda")
-    dense = visible_keys(ids, positions, positions, spec.window)
+    dense = visible_keys(ids, positions, positions, spec)
     dense = dense[:, None] if documents else dense
 
     def output_and_gradients(dtype: torch.dtype, flex: bool) -> list[torch.Tensor]:

@@ -241,6 +241,46 @@ def test_flex_attention_path_matches_the_dense_mask_on_cpu(monkeypatch):
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
+def keys_two_apart(q_idx, kv_idx):
+    """A mask_mod: no query sees the key two positions before it."""
+    return q_idx - kv_idx != 2
+
+
+DECLARED = [attention.AttentionMask(window=40), attention.AttentionMask(window=40, sinks=3),
+            attention.AttentionMask(mask_mod=keys_two_apart),
+            attention.AttentionMask(window=7, mask_mod=keys_two_apart)]
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["alone", "documents"])
+@pytest.mark.parametrize("spec", DECLARED, ids=["window", "window_sinks", "mask_mod", "window_mask_mod"])
+def test_a_declared_mask_attends_as_its_definition_says_dense_chunked_and_flex(spec, documents, monkeypatch):
+    """causal_attention under each declaration (CPU: chunks of WINDOW_CHUNK queries, or the dense document mask)
+    against softmax over the keys the definition lists, written out here: at or before the query, in its
+    document, within the window or among the first `sinks` of its document, where mask_mod allows. The
+    FlexAttention masks of the same declarations (CUDA's path; forward, eager, on CPU) give the same output."""
+    seq = 600  # three chunks of WINDOW_CHUNK (256) queries
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, 8, generator=generator) for heads in (4, 2, 2))
+    ids = (torch.rand(1, seq, generator=generator) < 1 / 90).long().cumsum(1) if documents else torch.zeros(1, seq)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    start = torch.tensor([ids[0].tolist().index(d) for d in ids[0].tolist()])  # each position's document start
+    allowed = (j <= i) & (ids[0][:, None] == ids[0][None])
+    if spec.window is not None:
+        allowed &= (i - j < spec.window) | (j - start[None] < spec.sinks)
+    if spec.mask_mod is not None:
+        allowed &= spec.mask_mod(i, j)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(8)).masked_fill(~allowed, float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(2, 1)
+    mask = attention.document_mask(ids, spec) if documents else None
+    torch.testing.assert_close(attention.causal_attention(q, k, v, mask, spec), expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
+    monkeypatch.setattr(attention, "compiled_flex_attention", flex_attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        mask = attention.document_mask(ids, spec) if documents else None
+        torch.testing.assert_close(attention.causal_attention(q, k, v, mask, spec), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_trainer_runs_with_document_masking(tmp_path, train_in_process, capsys):
     args = [*TINY, "--training.steps", "3", "--training.document_masking", "true", "--model.rope_per_document", "true"]

@@ -22,10 +22,10 @@ from parallelisms.context_parallel import (
     attach_context_parallel,
     documents_attention,
     zigzag_attention,
+    zigzag_declared_attention,
     zigzag_masks,
     zigzag_positions,
     zigzag_to_sequence_order,
-    zigzag_window_attention,
 )
 from parallelisms.context_parallel_documents import ShardedDocuments, allgather_documents, ring_documents, take
 from parallelisms.ring_attention import RingAttention, head_repeats
@@ -135,10 +135,10 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
         gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
         if mask is not None:
             k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=3, batch_dim=1)
-            return documents_attention(q, k, v, mask, 0, spec.window)
+            return documents_attention(q, k, v, mask, 0, spec)
         k, v = zigzag_to_sequence_order(gathered, cp)
-        if spec.window is not None:
-            return zigzag_window_attention(q, k, v, cp, 0, spec.window)
+        if spec != CAUSAL:
+            return zigzag_declared_attention(q, k, v, cp, 0, spec)
         return zigzag_attention(q, k, v, masks)
 
     def alltoall(q, k, v, mask=None, spec=CAUSAL):  # the sizes of full causal attention, an upper bound
