@@ -76,8 +76,8 @@ CAUSAL = AttentionMask()
 
 @runtime_checkable
 class AttentionLayer(Protocol):
-    """What context parallelism, the compile rules and the Hugging Face export need of an attention module, found
-    by these attributes, not by class or name: the attachment point of every attention kernel."""
+    """What context parallelism and the Hugging Face export's check read of an attention module, found by these
+    attributes, not by class or name: where every attention kernel attaches."""
 
     attention_mask: AttentionMask
     """The keys this layer's queries see."""

@@ -203,7 +203,8 @@ def test_layout_matches_one_process(name, references, layout_runs):
     assert param_norms(dump) == pytest.approx(param_norms(reference), rel=1e-5)
     if PER_LAYER[0] in LAYOUTS[name][0][1]:  # every block's figures, whichever stage holds it
         layers = [line["layers"] for line in metric_lines(dump) if "layers" in line]
-        assert len(layers) == STEPS and all(sorted(step) == ["0", "1", "2", "3"] for step in layers)
+        # Logged steps but a pipeline's first (train.py: torch runs its shape inference then).
+        assert len(layers) == STEPS - 1 and all(sorted(step) == ["0", "1", "2", "3"] for step in layers)
         assert all(figure > 0 for step in layers for block in step.values() for figure in block.values())
 
 
