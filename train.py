@@ -34,7 +34,7 @@ from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection
-from components.heartbeat import Heartbeat, is_timeout
+from components.heartbeat import READING, STEPPED, Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, ZLossFigure
@@ -165,17 +165,17 @@ def train(config: Config, signals: StopSignals) -> int:
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
-    batches = (prepare_batch(batch, device, eos_id, share) for batch in data_hash)
+    heartbeat = Heartbeat(config.comm.train_timeout_seconds)  # where this rank is: a hang names who stopped
+    batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in data_hash)
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
-    heartbeat = Heartbeat(config.comm.train_timeout_seconds)
     try:
         with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
             while train_state.step < training.steps:
                 replicas.start_step()  # a replica group that (re)joins takes a live group's state here, step included
                 step = train_state.step + 1
-                heartbeat.beat(step, 0)
+                heartbeat.beat(step, READING)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholders (shapes): no per-layer statistics.
                 first_pipeline_step = pipeline is not None and step == start_step + 1
@@ -187,7 +187,7 @@ def train(config: Config, signals: StopSignals) -> int:
                     continue
                 skip = step_guard.decide(step, loss, grad_norm)
                 optimizers.step(skip=skip)
-                heartbeat.beat(step, 1)
+                heartbeat.beat(step, STEPPED)
                 lr_schedule.step()
                 train_state.step = step
                 metrics.count_tokens(plan.tokens_per_step)
@@ -213,7 +213,8 @@ def train(config: Config, signals: StopSignals) -> int:
             raise heartbeat.stopped(e) from e
         raise
     finally:
-        for part in (checkpointer, dataloader, metrics, collector, step_times, replicas):  # a save is waited for
+        # A save is waited for.
+        for part in (checkpointer, dataloader, metrics, collector, step_times, replicas, heartbeat):
             part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"

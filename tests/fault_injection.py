@@ -7,6 +7,8 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   kill-commit:N    ... once every rank's files and .metadata of step N are written, just before
                    integrity.json and the rename that commit the checkpoint
   hang-step:N:R    rank R stops responding (sleeps) during step N
+  freeze-step:N:R  rank R freezes (SIGSTOP to itself, every thread stops) during step N
+  hang-data:N:R    rank R waits for ever for its data of step N
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
   slow-steps:N[:R[:S]]  rank R (or every rank) sleeps S seconds (SLOW_STEP_SECONDS) in every step from step N on,
                    and waits there while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
@@ -99,7 +101,17 @@ def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SE
             return original_step(self, *args, **kwargs)
 
         Optimizers.step = slow_step
-    elif kind in ("kill-step", "hang-step", "raise-step"):
+    elif kind == "hang-data":
+        original_prepare, calls = train.prepare_batch, [0]
+
+        def prepare_or_wait(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == step and dist.get_rank() == rank:
+                time.sleep(3600)
+            return original_prepare(*args, **kwargs)
+
+        train.prepare_batch = prepare_or_wait
+    elif kind in ("kill-step", "hang-step", "freeze-step", "raise-step"):
         original_step, calls = Optimizers.step, [0]
 
         def step_with_fault(self, *args, **kwargs):
@@ -109,6 +121,8 @@ def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SE
                     kill_everything()
                 if kind == "raise-step":
                     raise RuntimeError(f"fault injected at step {step}")
+                if kind == "freeze-step":
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 time.sleep(3600)
             return original_step(self, *args, **kwargs)
 
