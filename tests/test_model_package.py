@@ -226,7 +226,8 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
                                                                                          monkeypatch):
     """Shared code finds MoE layers by interface (components/moe_layer.py): the fork's routing biases move and its
     MoE metrics are logged (with models.moe.MoE recognised by class the biases stayed 0.0), and compile leaves
-    the data-dependent expert computation out of the blocks' graphs."""
+    the data-dependent expert computation out of the blocks' graphs. Its renamed modules keep the Hugging Face form
+    (Qwen3-MoE's, which transformers loads to the same logits)."""
     import models.moe
     from models.mymoe import model as fork_model
 
@@ -251,6 +252,10 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: fullgraph.append(kwargs["fullgraph"]))
     compile_blocks(model.transformer_blocks())
     assert fullgraph == [False, False]
+    pytest.importorskip("transformers")
+    from components.hf_export import check_hf_form
+
+    check_hf_form(package, package.build_model_args(load_config(MOE_FORK_RUN), 4096))
 
 
 @pytest.mark.slow
