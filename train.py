@@ -34,7 +34,7 @@ from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection
-from components.heartbeat import READING, STEPPED, Heartbeat, is_timeout
+from components.heartbeat import STEPPED, Heartbeat, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, ZLossFigure
@@ -175,7 +175,7 @@ def train(config: Config, signals: StopSignals) -> int:
             while train_state.step < training.steps:
                 replicas.start_step()  # a replica group that (re)joins takes a live group's state here, step included
                 step = train_state.step + 1
-                heartbeat.beat(step, READING)
+                heartbeat.start(step)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholders (shapes): no per-layer statistics.
                 first_pipeline_step = pipeline is not None and step == start_step + 1

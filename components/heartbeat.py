@@ -62,6 +62,10 @@ class Heartbeat:
     def close(self) -> None:
         self.done.set()
 
+    def start(self, step: int) -> None:
+        """This rank starts `step`; it publishes READING as it asks for the step's first batch (`reading`)."""
+        self.step = step
+
     def beat(self, step: int, phase: int) -> None:
         """This rank has reached `phase` (an index into PHASES) of `step`."""
         self.step = step
