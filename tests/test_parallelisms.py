@@ -66,7 +66,7 @@ LAYOUTS = {  # name: (processes, arguments), data
                                   "packed"),
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
     # allgather's bottom-right causal masks (made outside the graph) inside compiled blocks (FSDP with compiled
-    # blocks: the dp_shard2_tp2_compile layouts below; each rank compiles alone, so 2 ranks cost half of 4).
+    # blocks: the renamed fork's layout below; each rank compiles alone, so 2 ranks cost half of 4).
     "cp2_compile": (layout(cp=2, extra=[*COMPILE]), "hf"),
     "cp2_tp2_documents": (layout(cp=2, tp=2), "documents"),
     # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
@@ -89,17 +89,16 @@ LAYOUTS = {  # name: (processes, arguments), data
     "dp_shard2_tp2_cpu_offload": (layout(dp_shard=2, tp=2, extra=["--parallelism.fsdp_cpu_offload", "true"]),
                                   "packed"),
     "pp2_dp_shard2_cpu_offload": (layout(pp=2, dp_shard=2, extra=["--parallelism.fsdp_cpu_offload", "true"]), "hf"),
-    # Compiled blocks under TP, whose first takes the eager embedding's output (parallelisms/tensor_parallel.py),
-    # recomputing whole blocks (on CPU keeping attention's outputs, parallelisms/activation_checkpoint.py); and
-    # TorchTitan's default layout, selective AC every 2nd block with compile and TP.
-    "tp2_compile_full_ac": (layout(tp=2, extra=[*COMPILE, "--activation_checkpoint.mode", "full"]), "packed"),
-    "dp_shard2_tp2_compile_selective_2": (layout(dp_shard=2, tp=2, extra=[*COMPILE, "--activation_checkpoint.mode",
-                                                                         "selective"]), "packed"),
+    # Compiled blocks under FSDP and TP, whose first takes the eager embedding's output
+    # (parallelisms/tensor_parallel.py): TorchTitan's default layout, selective AC every 2nd block, on Llama 3 with
+    # its modules renamed (`blocks`, `embed`) and declared through the model contract
+    # (conftest.fork_with_renamed_modules), which every parallelism and the per-layer metrics find; and selective AC
+    # by op. Recomputing whole compiled blocks (on CPU keeping attention's outputs,
+    # parallelisms/activation_checkpoint.py): cp2_compile_full_ac_documents above and
+    # test_compiled_tensor_parallel_blocks_that_recompute_attention_keep_its_outputs_on_cpu.
     "tp2_compile_selective_op": (layout(tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
-    # Llama 3 with its modules renamed (`blocks`, `embed`) and declared through the model contract
-    # (conftest.fork_with_renamed_modules): every parallelism and the per-layer metrics (not with compile) find them.
-    "renamed_fork_dp_shard2_tp2_compile_full_ac": (layout(dp_shard=2, tp=2, extra=[
-        *COMPILE, "--activation_checkpoint.mode", "full", *RENAMED_FORK]), "packed"),
+    "renamed_fork_dp_shard2_tp2_compile_selective_2": (layout(dp_shard=2, tp=2, extra=[
+        *COMPILE, "--activation_checkpoint.mode", "selective", *RENAMED_FORK]), "packed"),
     "renamed_fork_pp2_cp2_documents_per_layer": (layout(pp=2, cp=2, extra=[*RENAMED_FORK, *PER_LAYER]), "documents"),
 }
 DATA = {"hf": ON_HF, "packed": ON_PACKED,
