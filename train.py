@@ -34,7 +34,7 @@ from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection
-from components.heartbeat import STEPPED, Heartbeat, is_timeout
+from components.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, ZLossFigure
@@ -183,6 +183,7 @@ def train(config: Config, signals: StopSignals) -> int:
                 lr = lr_schedule.lr
                 loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
                                                      optimizers, replicas, record_layers)
+                heartbeat.beat(step, OPTIMIZING)
                 if not replicas.should_commit(step):
                     continue
                 skip = step_guard.decide(step, loss, grad_norm)
@@ -208,8 +209,8 @@ def train(config: Config, signals: StopSignals) -> int:
                 profiler.step(step)
                 if stop_now and step < training.steps:
                     return preemption.stop(step)
-    except RuntimeError as e:  # torch's DistBackendError too: a collective that timed out names the ranks behind
-        if is_timeout(e):
+    except RuntimeError as e:  # torch's DistBackendError too: a collective timed out or lost a peer: name who stopped
+        if is_timeout(e) or is_lost_peer(e):
             raise heartbeat.stopped(e) from e
         raise
     finally:

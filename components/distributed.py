@@ -23,15 +23,17 @@ def init_distributed(comm: Comm, dump_folder: Path) -> torch.device:
     """Join the process group torchrun describes (or a one-process group without torchrun).
 
     CUDA runs get NCCL for GPU tensors and gloo for CPU tensors (async checkpointing and the
-    agreement on stop signals use the latter); CPU runs use gloo. On CUDA the NCCL flight recorder keeps
-    the last comm.trace_buf_size collectives of each rank and dumps them when a collective times
-    out (variables already set in the environment win)."""
+    agreement on stop signals use the latter); CPU runs use gloo. torch's flight recorder keeps the last
+    comm.trace_buf_size collectives of each rank (gloo's too: a hang report compares the ranks' last ones,
+    components/heartbeat.py); on CUDA NCCL's are dumped when a collective times out (variables already set in the
+    environment win)."""
     timeout = timedelta(seconds=comm.init_timeout_seconds)
+    if comm.trace_buf_size > 0:
+        # TORCH_FR_BUFFER_SIZE is the newer name of TORCH_NCCL_TRACE_BUFFER_SIZE; torch reads either.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
     if torch.cuda.is_available() and comm.trace_buf_size > 0:
         traces = dump_folder / comm.flight_recorder_folder
         traces.mkdir(parents=True, exist_ok=True)
-        # TORCH_FR_BUFFER_SIZE is the newer name of TORCH_NCCL_TRACE_BUFFER_SIZE; torch reads either.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(traces / "rank_"))

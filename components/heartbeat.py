@@ -1,43 +1,83 @@
-"""Where each rank is, and whether it is alive, so that a run that hangs names the ranks that stopped.
+"""Where each rank is, whether it is alive and which collective it waits in, so that a run that hangs names the
+ranks that stopped.
 
 Every rank publishes in the job's c10d store (the key-value store the process group was built on) where it is: its
-step and the phase of it (reading its data, computing, past its optimizer step). A thread of its own adds a sign of
-life every few seconds, which a process that is frozen (SIGSTOP), dead, or wedged in native code that holds the
-interpreter stops giving. When a collective times out (comm.train_timeout_seconds), the ranks still running read
-everyone's last heartbeat and sign of life: the ranks without a recent one are frozen, the live ones behind the
-furthest (or never heard from) are stuck where they are (in their data, in another collective); where every rank is
-alive at the same place, the collective itself is stuck (the network). train.py turns the timeout into Hung, which
-ends the run with EXIT_HUNG (components/stopping.py) and that one screen. On CUDA the NCCL flight recorder also dumps
-each rank's last collectives (comm.trace_buf_size, comm.flight_recorder_folder).
+step and the phase of it (reading its data, computing, in its optimizer step, past it). A thread of its own adds a
+sign of life every few seconds, which a process that is frozen (SIGSTOP), dead, or wedged in native code that holds the
+interpreter stops giving. When a collective times out (comm.train_timeout_seconds), or loses a peer (gloo: the
+connection closed), the ranks still running publish the last collective of each process group torch's flight recorder
+holds for them (comm.trace_buf_size), then read everyone's: the ranks without a recent sign of life are frozen or
+dead; the live ones behind the furthest (or never heard from) are stuck where they are (in their data, in their
+optimizer step); a live one at the furthest place that waits in no collective is stuck outside them (a long
+computation); ranks whose last collectives of one group differ are desynchronised (one in another collective); where
+every rank is alive in the same collective, the collective itself is stuck (the network). train.py turns the error
+into Hung, which ends the run with EXIT_HUNG (components/stopping.py) and that one screen. On CUDA the NCCL flight
+recorder also dumps each rank's last collectives (comm.flight_recorder_folder).
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 KEY = "ingot/heartbeat/"
 ALIVE = "ingot/alive/"
-READING, COMPUTING, STEPPED = range(3)
-PHASES = ("reading its data", "computing (forward, backward, optimizer step)", "after its optimizer step")
-"""A step's phases, in order: each micro-batch's data then its forward and backward, the optimizer step; then
-metrics, evaluation, checkpoints."""
+WAITING = "ingot/waiting/"
+READING, COMPUTING, OPTIMIZING, STEPPED = range(4)
+PHASES = ("reading its data", "computing its micro-batches and gradients", "in its optimizer step",
+          "after its optimizer step")
+"""A step's phases, in order: each micro-batch's data then its forward and backward, the gradients' reduction and
+clipping; the optimizer step; then metrics, evaluation, checkpoints."""
 LIFE_SIGNS = 5
 """Signs of life per timeout: a rank silent for three of their intervals is taken as frozen."""
+LOST_PEER = ("connection closed by peer", "connection reset by peer", "remote process exited")
+"""How gloo (and NCCL) say that a collective lost a peer: a process or its host died."""
 
 
 class Hung(RuntimeError):
-    """A collective timed out: the message names the ranks that stopped and where."""
+    """A collective timed out or lost a peer: the message names the ranks that stopped and where."""
 
 
 def is_timeout(error: BaseException) -> bool:
     """Whether `error` is a collective that timed out (gloo, NCCL)."""
     text = str(error).lower()
     return "timed out" in text or "timeout" in text and "collective" in text
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective whose peer went away (its process or host died)."""
+    return any(words in str(error).lower() for words in LOST_PEER)
+
+
+def last_collectives() -> dict[str, list]:
+    """This rank's last collective in each process group it used, by group name: [group description, sequence
+    number, operation, input sizes], from torch's flight recorder (empty when it is off), the group of the newest last.
+    Point-to-point operations (a pipeline's sends and receives) are left out: a sender and its receiver record
+    different ones."""
+    # torch records the collectives (TORCH_FR_BUFFER_SIZE, components/distributed.py) but offers no public reader:
+    # one recorder for gloo (and other CPU backends), one for NCCL.
+    entries = []
+    for reader in ("_dump_fr_trace", "_dump_nccl_trace"):
+        dump = getattr(torch._C._distributed_c10d, reader, None)
+        try:
+            entries += pickle.loads(dump(True, False, False)).get("entries", []) if dump else []
+        except Exception:  # noqa: BLE001 - no recorder for this backend
+            pass
+    last = {}
+    for entry in sorted(entries, key=lambda e: e.get("time_created_ns", 0)):
+        if not entry.get("is_p2p"):
+            name, description = entry["process_group"]
+            last.pop(name, None)
+            last[name] = [description, entry["collective_seq_id"], entry["profiling_name"].split(":")[-1],
+                          entry["input_sizes"]]
+    return last
 
 
 class Heartbeat:
@@ -84,38 +124,103 @@ class Heartbeat:
             self.beat(self.step, COMPUTING)
             yield batch
 
-    def _read(self, key: str) -> list[str] | None:
+    def _read(self, key: str) -> str | None:
+        """The key's value; None at once for a key nobody set (a store's get would wait for it, and block the other
+        thread's use of the store meanwhile)."""
         try:
-            return self.store.get(key).decode().split()
-        except Exception:  # noqa: BLE001 - a rank that never published, or a store that is gone
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - a store that is gone
             return None
 
     def stopped(self, error: BaseException) -> Hung:
-        """The Hung to raise after `error`, a collective that timed out on this rank."""
-        heard, alive = {}, {}
-        if self.store is not None:
-            self.store.set_timeout(timedelta(seconds=5))
+        """The Hung to raise after `error`, a collective that timed out or lost a peer on this rank."""
+        lost_peer = is_lost_peer(error)
+        cause = ("a collective lost a peer" if lost_peer else
+                 f"a collective timed out after comm.train_timeout_seconds {self.timeout} s")
+        mine = f" in step {self.step}"
+        if self.store is None:
+            return Hung(f"{cause} on rank {self.rank}{mine} ({_first_line(error)})")
+        self.store.set_timeout(timedelta(seconds=5))
+        try:
+            self.store.set(f"{WAITING}{self.rank}", json.dumps([time.time(), last_collectives()]))
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody's state can be read
+            return Hung(f"{cause} on rank {self.rank}{mine}: the job's c10d store does not answer (its host, the first "
+                        f"node, is gone?) ({_first_line(error)})")
+        summary = self._survey(lost_peer)
+        heard = self._read(f"{KEY}{self.rank}")
+        if heard:
+            step, phase, _ = heard.split()
+            mine = f" in step {step} {PHASES[int(phase)]}"
+        return Hung(f"{cause} on rank {self.rank}{mine}: {summary} ({_first_line(error)})")
+
+    def _survey(self, lost_peer: bool) -> str:
+        """What every rank's heartbeat, sign of life and last collectives say of who stopped: after a lost peer once
+        its silence shows (at most 4 intervals), and once the live ranks as far as the furthest published the
+        collectives they wait in (at most an interval)."""
+        deadline = time.time() + (4 if lost_peer else 1) * self.interval
+        while True:
+            now = time.time()
+            heard, alive, waiting = {}, {}, {}
             for rank in range(self.world):
-                beat, life = self._read(f"{KEY}{rank}"), self._read(f"{ALIVE}{rank}")
-                heard[rank] = (int(beat[0]), int(beat[1]), float(beat[2])) if beat else None
-                alive[rank] = float(life[0]) if life else None
-        now = time.time()
-        frozen = [rank for rank, at in alive.items() if at is not None and now - at > 3 * self.interval]
-        furthest = max((h[:2] for h in heard.values() if h), default=(0, 0))
-        behind = [rank for rank, h in heard.items() if rank not in frozen and (h is None or h[:2] < furthest)]
+                beat, life, wait = (self._read(f"{key}{rank}") for key in (KEY, ALIVE, WAITING))
+                heard[rank] = tuple(int(x) for x in beat.split()[:2]) if beat else None
+                alive[rank] = float(life) if life else None
+                at, collectives = json.loads(wait) if wait else (0.0, {})
+                if now - at < self.timeout:  # not one left by an earlier attempt of the job
+                    waiting[rank] = collectives
+            frozen = [rank for rank, at in alive.items() if at is not None and now - at > 3 * self.interval]
+            furthest = max((h for h in heard.values() if h), default=(0, 0))
+            behind = [rank for rank, h in heard.items() if rank not in frozen and (h is None or h < furthest)]
+            level = [rank for rank in range(self.world) if rank not in frozen and rank not in behind]
+            settled = bool(frozen) if lost_peer else all(rank in waiting for rank in level)
+            if settled or now > deadline:
+                break
+            time.sleep(min(0.2, self.interval / 4))
 
         def where(rank: int) -> str:
             h = heard[rank]
             return f"in step {h[0]} {PHASES[h[1]]}" if h else "never heard from"
 
-        named = ([f"rank {rank} frozen {where(rank)}: no sign of life for {now - alive[rank]:.0f} s (a stopped or "
-                  "dead process, or one wedged in native code)" for rank in frozen]
-                 + [f"rank {rank} {where(rank)}, alive but behind the others" for rank in behind])
+        named = [f"rank {rank} {'dead or frozen' if lost_peer else 'frozen'} {where(rank)}: no sign of life for "
+                 f"{now - alive[rank]:.0f} s (a dead, stopped or wedged process, or its host gone)" for rank in frozen]
+        named += [f"rank {rank} {where(rank)}, alive but behind the others" for rank in behind]
+        compared = [rank for rank in level if waiting.get(rank)]
+        if compared:  # the flight recorder is on: who waits in a collective, and in which
+            named += [f"rank {rank} {where(rank)}, alive but in no collective (stuck outside them)"
+                      for rank in level if rank not in waiting]
         more = f" and {len(named) - 8} more" if len(named) > 8 else ""
-        summary = (f"{len(named)} rank(s) stopped making progress: {'; '.join(named[:8])}{more}" if named else
-                   "every rank is alive and as far as the others (a collective they all entered is stuck: the "
-                   "network, or one rank in another collective)")
-        mine = heard.get(self.rank)
-        at = f" in step {mine[0]} {PHASES[mine[1]]}" if mine else ""
-        return Hung(f"a collective timed out after comm.train_timeout_seconds {self.timeout} s on rank {self.rank}"
-                    f"{at}: {summary} ({str(error).strip().splitlines()[0][:200]})")
+        if named:
+            return f"{len(named)} rank(s) stopped making progress: {'; '.join(named[:8])}{more}"
+        apart = _desynchronised({rank: waiting[rank] for rank in compared})
+        if apart:
+            return f"the ranks wait in different collectives (desynchronised): {apart}"
+        if compared:
+            description, sequence, operation, _ = _last(waiting[compared[0]])
+            return (f"every rank is alive and waits in the same collective ({operation} #{sequence} of "
+                    f"{description}): the network, or the collective library, is stuck")
+        return ("every rank is alive and as far as the others (a collective they all entered is stuck: the network, or "
+                "one rank in another collective)")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+
+
+def _last(collectives: dict[str, list]) -> list:
+    """The newest of a rank's last collectives: the one it waits in, as far as the recorder tells."""
+    return list(collectives.values())[-1]
+
+
+def _desynchronised(waiting: dict[int, dict[str, list]]) -> str:
+    """For each process group whose members' last collectives differ, what each member waits in; "" if none."""
+    groups = {}
+    for rank, collectives in waiting.items():
+        for name, collective in collectives.items():
+            groups.setdefault(name, {})[rank] = collective
+    parts = []
+    for members in groups.values():
+        if len({json.dumps(c[1:]) for c in members.values()}) > 1:
+            description = next(iter(members.values()))[0]
+            parts.append(f"group {description}: " + ", ".join(
+                f"rank {rank} in {c[2]} #{c[1]} {c[3]}" for rank, c in sorted(members.items())))
+    return "; ".join(parts)[:600]

@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,13 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
         raise AssertionError(f"torchrun failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def free_port() -> int:
+    """A TCP port of this machine that nothing listens on now (a lighthouse's, a rendezvous')."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_runs(runs: dict[str, tuple[int, list[str]]], folder: Path, timeout: int = 1800,

@@ -9,6 +9,9 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   hang-step:N:R    rank R stops responding (sleeps) during step N
   freeze-step:N:R  rank R freezes (SIGSTOP to itself, every thread stops) during step N
   hang-data:N:R    rank R waits for ever for its data of step N
+  hang-forward:N:R rank R sleeps as its forward of step N starts, outside any collective
+  desync-step:N:R  rank R enters a collective of its own (an all-reduce the others never make) as its forward of
+                   step N starts
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
   slow-steps:N[:R[:S]]  rank R (or every rank) sleeps S seconds (SLOW_STEP_SECONDS) in every step from step N on,
                    and waits there while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
@@ -59,6 +62,7 @@ def send_stop_signal(point: str) -> None:
 send_stop_signal("imports")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
@@ -111,6 +115,18 @@ def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SE
             return original_prepare(*args, **kwargs)
 
         train.prepare_batch = prepare_or_wait
+    elif kind in ("hang-forward", "desync-step"):
+        original_forward, calls = train.forward_backward, [0]
+
+        def forward_with_fault(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == step and dist.get_rank() == rank:
+                if kind == "desync-step":
+                    dist.all_reduce(torch.zeros(7))
+                time.sleep(3600)
+            return original_forward(*args, **kwargs)
+
+        train.forward_backward = forward_with_fault
     elif kind in ("kill-step", "hang-step", "freeze-step", "raise-step"):
         original_step, calls = Optimizers.step, [0]
 

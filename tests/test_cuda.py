@@ -257,13 +257,15 @@ def test_float8_linear_real_matmuls_match_torchao_emulation_forward_and_backward
 
 def test_nccl_flight_recorder_keeps_the_configured_number_of_collectives(tmp_path):
     """components/distributed.py sets the NCCL flight recorder's buffer from comm.trace_buf_size before
-    NCCL starts: after 10 all-reduces a buffer of 4 holds the last 4 (torch's default would hold all)."""
+    NCCL starts: after 10 all-reduces a buffer of 4 holds the last 4 (torch's default would hold all), and the hang
+    report reads the last one (components/heartbeat.py)."""
     script = """
 import json, os, pickle, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from components.config import Comm
 from components.distributed import init_distributed
+from components.heartbeat import last_collectives
 
 init_distributed(Comm(trace_buf_size=4), Path(sys.argv[1]))
 x = torch.ones(8, device="cuda")
@@ -273,7 +275,8 @@ torch.cuda.synchronize()
 dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
 entries = pickle.loads(dump(includeStackTraces=False)).get("entries", []) if dump else None
 print("REPORT", json.dumps({"names": entries and [e["profiling_name"] for e in entries],
-                            "dump_file": os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]}), flush=True)
+                            "dump_file": os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
+                            "last": list(last_collectives().values())}), flush=True)
 dist.destroy_process_group()
 """
     ours = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -285,6 +288,7 @@ dist.destroy_process_group()
     assert report["names"] is not None, f"torch {torch.__version__} has no torch._C._distributed_c10d._dump_nccl_trace"
     assert len(report["names"]) == 4 and all("all_reduce" in name for name in report["names"]), report
     assert report["dump_file"] == str(tmp_path / "comm_traces" / "rank_") and (tmp_path / "comm_traces").is_dir()
+    assert [c[2:] for c in report["last"]] == [["all_reduce", [[8]]]], report["last"]  # default_pg's last
 
 
 # --- Trainings --------------------------------------------------------------------------------

@@ -5,14 +5,13 @@ read) and from then on holds bitwise the weights of the other."""
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, losses, metric_lines, torchrun
+from conftest import REPO, TINY, free_port, losses, metric_lines, torchrun
 from fault_injection import kill_tree
 
 pytestmark = pytest.mark.slow
@@ -20,12 +19,6 @@ STEPS = 8
 
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.timeout_seconds", "20", "--checkpoint.enable", "true",
       "--checkpoint.interval", "1000"]  # a checkpoint of the last step only
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ON_HF, REPO, TINY, losses, metric_lines, train_main
+import torch.distributed as dist
+from conftest import ON_HF, REPO, TINY, free_port, losses, metric_lines, train_main
 from fault_injection import descendants, kill_tree
 
+from components import heartbeat
 from components.checkpoint_integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
 from components.optim import Optimizers
@@ -392,32 +394,110 @@ def test_a_checkpoint_of_another_model_shape_is_named_by_parameter(tmp_path, tra
 
 
 HANGS = {  # INGOT_FAULT: what the report says of rank 1
-    "hang-step:4:1": "rank 1 in step 4 computing (forward, backward, optimizer step), alive but behind the others",
-    "freeze-step:4:1": "rank 1 frozen in step 4 computing (forward, backward, optimizer step): no sign of life for",
-    "hang-data:4:1": "rank 1 in step 4 reading its data, alive but behind the others",
+    "hang-step:4:1": "1 rank(s) stopped making progress: rank 1 in step 4 in its optimizer step, alive but behind",
+    "freeze-step:4:1": "1 rank(s) stopped making progress: rank 1 frozen in step 4 in its optimizer step: no sign of "
+                       "life for",
+    "hang-data:4:1": "1 rank(s) stopped making progress: rank 1 in step 4 reading its data, alive but behind",
+    "hang-forward:4:1": "1 rank(s) stopped making progress: rank 1 in step 4 computing its micro-batches and "
+                        "gradients, alive but in no collective (stuck outside them)",
+    "desync-step:4:1": "the ranks wait in different collectives (desynchronised): group default_pg: rank 0 in",
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", HANGS, ids=["sleeps_in_its_step", "sigstop", "stuck_in_its_data"])
+@pytest.mark.parametrize("fault", HANGS, ids=["sleeps_in_its_step", "sigstop", "stuck_in_its_data",
+                                              "sleeps_in_its_forward", "in_another_collective"])
 def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_and_where_with_exit_status_4(fault, tmp_path):
-    """Rank 1 stops in step 4: it sleeps in its optimizer step, is frozen by SIGSTOP (every thread, its heartbeat's
-    included), or waits for ever for its data. Rank 0's collective times out, and the launcher exits 4 with one
-    screen naming rank 1, where it is and whether it is alive; the last checkpoint is intact. Rank 1 does not stop at
-    the launcher's SIGTERM (a trainer stops at a step boundary, which it never reaches; a frozen one not at all): the
-    launcher kills it 5 s later (components/launch.py's FAILURE_GRACE_SECONDS), not after torchrun's 30 s."""
-    start = time.monotonic()
+    """Rank 1 stops in step 4: it sleeps in its optimizer step, is frozen there by SIGSTOP (every thread, its
+    heartbeat's included), waits for ever for its data, sleeps in its forward (outside any collective), or enters a
+    collective the others never make. Rank 0's collective times out, and the launcher exits 4 with one screen naming
+    rank 1, where it is and whether it is alive (the desynchronised ranks: the collective each waits in, from torch's
+    flight recorder); the last checkpoint is intact. Rank 1 does not stop at the launcher's SIGTERM (a trainer stops
+    at a step boundary, which it never reaches; a frozen one not at all): the launcher kills it 5 s later
+    (components/launch.py's FAILURE_GRACE_SECONDS), not after torchrun's 30 s."""
     env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT=fault)
-    result = subprocess.run([sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
                              "tests/fault_injection.py", *RUN, "--comm.train_timeout_seconds", "5",
-                             "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=240)
-    assert result.returncode == 4, result.stderr[-3000:]
-    assert time.monotonic() - start < 60  # start-up, 3 steps, the 5 s timeout, the grace (16-26 s on 2 cores)
+                             "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    stderr, step_3_logged = [], None
+    for line in proc.stderr:
+        stderr.append(line)
+        if " step      3 " in line:
+            step_3_logged = time.monotonic()
+    assert proc.wait(timeout=240) == 4, "".join(stderr[-40:])
+    # The 5 s timeout, the report, the 5 s grace: 11-14 s on an idle 2-core machine; torchrun's 30 s would be 36 s.
+    assert time.monotonic() - step_3_logged < 28
+    result = subprocess.CompletedProcess(proc.args, 4, "", "".join(stderr))
     lines = [line for line in result.stderr.splitlines() if "hang:" in line]
-    assert len(lines) == 1 and ": 1 rank(s) stopped making progress: " + HANGS[fault] in lines[0], result.stderr
+    assert len(lines) == 1 and HANGS[fault] in lines[0], result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 25, result.stderr
     assert check_checkpoint(tmp_path / "checkpoint" / "step-3", verify_checksums=True) is None
+
+
+@pytest.mark.slow
+def test_a_dead_peer_on_another_node_is_named_by_the_survivor_which_exits_4(tmp_path):
+    """A job of two nodes of one process each (two launchers on this machine, torchrun's static rendezvous): in step 4
+    node 1 dies whole, its launcher and its rank killed (kill -9), as when a host is lost. Rank 0's collective loses
+    its peer (gloo: the connection closes; NCCL would time out) and waits until the peer's silence shows; node 0's
+    launcher exits 4, naming rank 1 and where it was, and keeps the last checkpoint."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT="kill-step:4:1")
+    nodes = [subprocess.Popen([sys.executable, "-m", "components.launch", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "tests/fault_injection.py", *RUN, "--comm.train_timeout_seconds", "5",
+                               "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        stderr = nodes[0].communicate(timeout=240)[1]
+        assert nodes[1].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+    assert nodes[0].returncode == 4, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "hang:" in line]
+    named = ": 1 rank(s) stopped making progress: rank 1 dead or frozen in step 4 in its optimizer step: no sign of"
+    assert len(lines) == 1 and lines[0].startswith("hang: a collective lost a peer on rank 0 in step 4 "), stderr
+    assert named in lines[0], stderr  # gloo says "Connection closed by peer" or "Connection reset by peer"
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 25, stderr
+    assert check_checkpoint(tmp_path / "checkpoint" / "step-3", verify_checksums=True) is None
+
+
+def survey(beats: dict[int, tuple[int, int]], silent: set[int], waiting: dict[int, dict], lost_peer=False) -> str:
+    """What rank 0's hang report says of a job whose store holds these heartbeats, signs of life (silent: 60 s old)
+    and published collectives."""
+    store, now = dist.HashStore(), time.time()
+    for rank, (step, phase) in beats.items():
+        store.set(f"{heartbeat.KEY}{rank}", f"{step} {phase} {now}")
+        store.set(f"{heartbeat.ALIVE}{rank}", str(now - 60 if rank in silent else now))
+    for rank, collectives in waiting.items():
+        store.set(f"{heartbeat.WAITING}{rank}", json.dumps([now, collectives]))
+    report = heartbeat.Heartbeat.__new__(heartbeat.Heartbeat)
+    report.rank, report.world, report.timeout, report.interval, report.store = 0, len(beats), 10, 0.1, store
+    return report._survey(lost_peer)
+
+
+def test_the_hang_report_tells_the_network_from_a_desynchronised_rank_and_one_outside_the_collectives():
+    """Ranks alive at the same place: in the same collective (the network), in different ones of a group (the
+    collectives each waits in), or one in none (stuck outside them); a silent rank is frozen, or dead after a lost
+    peer. From what the store holds, as the ranks still running read it."""
+    computing = {0: (4, heartbeat.COMPUTING), 1: (4, heartbeat.COMPUTING), 2: (4, heartbeat.COMPUTING)}
+    gather = {"1": ["mesh_dp_shard", 43, "all_gather", [[1024]]], "0": ["default_pg", 12, "all_reduce", [[1]]]}
+    assert survey(computing, set(), dict.fromkeys(range(3), gather)) == (
+        "every rank is alive and waits in the same collective (all_reduce #12 of default_pg): the network, or the "
+        "collective library, is stuck")
+    other = {"1": ["mesh_dp_shard", 43, "all_gather", [[1024]]], "0": ["default_pg", 13, "all_reduce", [[7]]]}
+    assert survey(computing, set(), {0: gather, 1: other, 2: gather}) == (
+        "the ranks wait in different collectives (desynchronised): group default_pg: rank 0 in all_reduce #12 [[1]], "
+        "rank 1 in all_reduce #13 [[7]], rank 2 in all_reduce #12 [[1]]")
+    assert survey(computing, set(), {0: gather, 2: gather}) == (
+        "1 rank(s) stopped making progress: rank 1 in step 4 computing its micro-batches and gradients, alive but in "
+        "no collective (stuck outside them)")
+    assert survey(computing, {2}, {0: gather, 1: gather}, lost_peer=True).startswith(
+        "1 rank(s) stopped making progress: rank 2 dead or frozen in step 4 computing its micro-batches and gradients: "
+        "no sign of life for 60 s")
+    assert survey(computing, set(), {}) == (  # no flight recorder (comm.trace_buf_size 0): nothing to compare
+        "every rank is alive and as far as the others (a collective they all entered is stuck: the network, or one "
+        "rank in another collective)")
 
 
 def test_a_checkpoint_with_more_layers_is_refused(tmp_path, train_in_process, capsys):

@@ -388,8 +388,9 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout of collectives once training runs."""
     trace_buf_size: int = 20000
-    """CUDA: collectives the NCCL flight recorder keeps per rank (0 disables it). On a timeout
-    each rank dumps them to <dump_folder>/<flight_recorder_folder>/rank_<R>."""
+    """Collectives torch's flight recorder keeps per rank (gloo's and NCCL's; 0 disables it): a hang report
+    compares the ranks' last ones. On CUDA, on a timeout each rank dumps NCCL's to
+    <dump_folder>/<flight_recorder_folder>/rank_<R>."""
     flight_recorder_folder: str = "comm_traces"
 
 
