@@ -6,8 +6,9 @@ The lock is the kernel's (fcntl.lockf, a POSIX record lock): it goes away with t
 it, however that process ends (kill -9 included), so a dead job never blocks a restart. On NFS the
 lock goes through the server's lock manager (NLM for NFSv3, built into NFSv4) and holds across hosts;
 Lustre honours it across clients only when mounted with `-o flock` (with `-o localflock` it holds on one
-host only). Where the filesystem cannot lock at all, the job says so and runs unguarded. A job that created the
-folder and wrote nothing else into it (refused, or stopped by a signal, before its first step) removes it again.
+host only). Where the filesystem cannot lock at all, the job says so and runs unguarded. A job that wrote nothing
+into its folder (refused, or stopped by a signal, before its first step) leaves it as it was: a folder it created goes
+again, and so does a lock file it created in a folder that was there.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class FolderInUse(RuntimeError):
     """Another live job holds the dump folder."""
 
 
-_held: dict[Path, tuple[object, Path | None]] = {}
+_held: dict[Path, tuple[object, Path | None, set[str] | None]] = {}
 """The open lock files (a lock lasts as long as its file stays open), each with the outermost folder its job
-created (None where the folder was there before)."""
+created (None where the folder was there before) and, where the job created the lock file in a folder that was
+there, the names the folder held before."""
 
 
 def lock_dump_folder(folder: Path) -> None:
@@ -47,6 +49,7 @@ def lock_dump_folder(folder: Path) -> None:
     created = next((f for f in reversed([folder, *folder.parents]) if not f.exists()), None)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
+    before = {p.name for p in folder.iterdir()} if created is None and not path.exists() else None
     handle = open(path, "a+")
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -67,15 +70,18 @@ def lock_dump_folder(folder: Path) -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
     handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
     handle.flush()
-    _held[folder] = handle, created
+    _held[folder] = handle, created, before
 
 
 def release_dump_folders() -> None:
     """Drop this process's folder locks (at a run's end: in a test, a run ends inside a longer-lived process). A
-    folder the job created and left holding only its lock file goes, with the empty folders created above it."""
-    for folder, (handle, created) in _held.items():
+    folder the job created and left holding only its lock file goes, with the empty folders created above it; a lock
+    file the job created in a folder whose names it left as they were goes too."""
+    for folder, (handle, created, before) in _held.items():
         handle.close()
-        if created is not None and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+        if before is not None and {p.name for p in folder.iterdir()} == before | {LOCK_FILE}:
+            (folder / LOCK_FILE).unlink()
+        elif created is not None and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
             (folder / LOCK_FILE).unlink()
             with contextlib.suppress(OSError):  # a folder something else wrote into meanwhile stays
                 for empty in [folder, *folder.parents]:

@@ -114,3 +114,17 @@ def test_the_lock_is_taken_once_per_process_and_released(tmp_path):
     assert held.returncode == 1 and FolderInUse.__name__ in held.stderr and f"pid {os.getpid()}" in held.stderr
     release_dump_folders()
     assert subprocess.run(probe, cwd=REPO, capture_output=True, text=True).returncode == 0
+
+
+def test_a_run_refused_for_its_data_leaves_a_new_folder_absent_and_an_existing_one_as_it_was(tmp_path,
+                                                                                              train_in_process):
+    """The lock is taken before the data is read (a second job must stop before writing anything): a refusal after
+    it takes back what the lock made, the folders above the dump folder included."""
+    missing = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset_path", str(tmp_path / "no")]
+    assert train_in_process([*missing, "--job.dump_folder", str(tmp_path / "new" / "run")]) == 2
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    assert train_in_process([*missing, "--job.dump_folder", str(existing)]) == 2
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
