@@ -64,10 +64,11 @@ logger = logging.getLogger("ingot")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata, harmless
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 speaks; the other ranks report only warnings and errors."""
+def setup_logging(rank: int, replica_group: int | None) -> None:
+    """Rank 0 speaks; the other ranks report only warnings and errors. A replica group's lines name it."""
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
+    who = f"g{replica_group} rank{rank}" if replica_group is not None else f"rank{rank}"
+    logging.basicConfig(level=level, format=f"[{who}] %(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
     logging.getLogger("torchao").setLevel(logging.ERROR)  # it warns about GPU kernels it could not load
 
 
@@ -76,7 +77,7 @@ def train(config: Config, signals: StopSignals) -> int:
     # --- Processes, the device mesh, the batch plan and the run's folder ---------------------
     device = init_distributed(config.comm, Path(config.job.dump_folder))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    setup_logging(rank)
+    setup_logging(rank, config.fault_tolerance.replica_id if config.fault_tolerance.enable else None)
     dims = ParallelDims.from_config(config.parallelism, world_size)
     check_supported(config, dims, device)
     mesh = dims.build_mesh(device.type)
@@ -142,16 +143,20 @@ def train(config: Config, signals: StopSignals) -> int:
     start_step = train_state.step = checkpointer.load()
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
     preemption.before_first_step()  # a stop signal during start-up ends the run here, nothing trained or written
-    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, device)
     if start_step >= training.steps:
         logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
         return 0
+    ft = config.fault_tolerance.enable  # a replica group learns the step it goes on from at its first quorum
     metrics = MetricsLogger(
         dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0,
-        to_toml(config), matmul_dtype=matmul_dtype, resume_step=start_step,
+        to_toml(config), matmul_dtype=matmul_dtype, resume_step=None if ft else start_step,
     )
     if rank == 0:  # only now: a launch refused at start-up (W&B's included) leaves the folder as it was
         logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
+        if ft:  # several groups share a terminal: each keeps its own log too
+            logging.getLogger().addHandler(file_log := logging.FileHandler(dump_folder / "log.txt"))
+            file_log.setFormatter(logging.getLogger().handlers[0].formatter)
+    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, metrics, device)
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     # What each step adds to its record (components/in_loop.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
@@ -169,7 +174,8 @@ def train(config: Config, signals: StopSignals) -> int:
     batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in data_hash)
 
     # --- The training loop -------------------------------------------------------------------
-    logger.info(f"training steps {start_step + 1} to {training.steps}")
+    logger.info(f"training steps {start_step + 1} to {training.steps}"
+                + (" (from a live replica group's step, if one is ahead)" if config.fault_tolerance.enable else ""))
     try:
         with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
             while train_state.step < training.steps:

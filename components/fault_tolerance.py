@@ -10,8 +10,10 @@ quorum's step: its manager fetches the weights, optimizer, schedule, step guard 
 that group's same-rank process (no checkpoint read) before the step, and from then on every group takes the same
 update from the same weights: bitwise the same weights.
 
-Each group writes into <job.dump_folder>/replica_<id>: its own log, metrics and checkpoints. What each group reads
-while another is away, and what a lost group costs: docs/reliability.md.
+Each group writes into <job.dump_folder>/replica_<id>: its own log (log.txt; its lines carry the group, [g<id>
+rank<r>]), metrics and checkpoints. A group that took a live group's state keeps the records it logged before and
+marks the steps it did not train (MetricsLogger.continue_after). What each group reads while another is away, and
+what a lost group costs: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -29,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from components.config import ConfigError, FaultTolerance
+from components.metrics import MetricsLogger
 
 logger = logging.getLogger("ingot")
 
@@ -64,9 +68,9 @@ def check_replica_config(cfg: FaultTolerance, dims) -> None:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 
 
-def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int,
+def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
                    device: torch.device) -> ReplicaGroups | NoReplicas:
-    return ReplicaGroups(cfg, checkpointed, step, device) if cfg.enable else NoReplicas()
+    return ReplicaGroups(cfg, checkpointed, step, metrics, device) if cfg.enable else NoReplicas()
 
 
 class NoReplicas:
@@ -90,7 +94,8 @@ class ReplicaGroups:
     step (start_step), averages the step over the groups of the quorum (average_step) and says whether the step may be
     taken (should_commit); and `states`, what a (re)joining group takes from a live one."""
 
-    def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, device: torch.device):
+    def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
+                 device: torch.device):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's server logs every quorum and commit at info
         for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -98,14 +103,22 @@ class ReplicaGroups:
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
         try:
             from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+            from torchft.checkpointing import HTTPTransport
         except ImportError as e:
             raise ConfigError("fault_tolerance.enable needs torchft: pip install -e '.[ft]'") from e
         self.states = {name: state for name, state in checkpointed.items() if name != "dataloader"}
         self.groups, self.group_id = cfg.replica_groups, cfg.replica_id
         timeout = timedelta(seconds=cfg.timeout_seconds)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)  # torchft's default, made here to quiet it
+        # Its HTTP server logs each transfer to stderr, as http.server does; this server's handler logs nothing
+        # (torchft offers no setting: its private _server).
+        transport._server.RequestHandlerClass.log_message = lambda *args: None
+        # torch's streaming load reads the received bytes in place, which warns once that they are read-only.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+            checkpoint_transport=transport,
             # The fewest groups a step is taken with is the lighthouse's --min_replicas: fewer wait there.
             use_async_quorum=False,  # a rejoining group takes the state before its forward, not during it
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -114,7 +127,7 @@ class ReplicaGroups:
         )
         # The manager counts committed steps from 0; a group resumed from a checkpoint is at `step`.
         self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
-        self.participants, self.took_state = cfg.replica_groups, False
+        self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
         self.speaks = dist.get_rank() == 0  # each group's rank 0
         lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         logger.info(f"replica group {cfg.replica_id} of {cfg.replica_groups}, in the quorums of {lighthouse}")
@@ -123,10 +136,13 @@ class ReplicaGroups:
         """Join this step's quorum. A group behind the quorum takes a live group's state here (self._load)."""
         start = time.perf_counter()
         self.manager.start_quorum()
+        step = self.states["train_state"].step
         if self.took_state:
-            logger.info(f"replica group {self.group_id} took the state of step {self.states['train_state'].step} "
-                        f"from a live group in {time.perf_counter() - start:.2f}s (quorum and transfer)")
-            self.took_state = False
+            logger.info(f"replica group {self.group_id} took the state of step {step} from a live group in "
+                        f"{time.perf_counter() - start:.2f}s (quorum and transfer)")
+        if self.took_state or not self.joined:
+            self.metrics.continue_after(step, self.took_state)
+        self.took_state, self.joined = False, True
         participants = self.manager.num_participants()
         if participants != self.participants and self.speaks:
             away = self.groups - participants
@@ -152,7 +168,7 @@ class ReplicaGroups:
         error = self.manager.errored()
         committed = self.manager.should_commit()
         if not committed and self.speaks:
-            cause = str(error.original_exception).splitlines()[0] if error else "another rank of this group failed"
+            cause = "a collective with another group failed" if error else "another rank of this group failed"
             logger.warning(f"step {step} not committed by the replica groups ({cause}): taken again with this "
                            "group's next batch; this attempt's batch is not trained")
         return committed

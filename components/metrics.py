@@ -153,29 +153,54 @@ class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 
     def __init__(self, dump_folder: Path, cfg, device: torch.device, flops_per_token: float, world_size: int,
-                 is_writer: bool, config_text: str = "", matmul_dtype: str = "float32", resume_step: int = 0):
+                 is_writer: bool, config_text: str = "", matmul_dtype: str = "float32", resume_step: int | None = 0):
         """`resume_step`: the step a resumed run continues after; what an earlier attempt logged for
-        later steps is dropped from metrics.jsonl and TensorBoard, as those steps are run again."""
+        later steps is dropped from metrics.jsonl and TensorBoard, as those steps are run again. None for a replica
+        group, which learns it at its first quorum (continue_after)."""
         self.device, self.flops_per_token, self.world_size = device, flops_per_token, world_size
         self.log_freq, self.is_writer = cfg.log_freq, is_writer
         self.peak_flops, source = peak_flops(device, cfg.peak_flops, matmul_dtype)
         self.jsonl = self.tb = self.wandb = None
         if is_writer:
             if cfg.enable_wandb:  # first: a run W&B refuses (not logged in) has written nothing yet
-                self.wandb = wandb_logging.start_run(dump_folder, cfg, config_text, resume_step)
+                self.wandb = wandb_logging.start_run(dump_folder, cfg, config_text, resume_step or 0)
             logger.info(f"MFU against {self.peak_flops / 1e12:.2f} TFLOP/s per device ({source})"
                         if self.peak_flops else source)
-            jsonl_path = dump_folder / "metrics.jsonl"
-            keep_records_up_to(jsonl_path, resume_step)
-            self.jsonl = open(jsonl_path, "a", buffering=1)
+            self.jsonl_path, self.tb_folder = dump_folder / "metrics.jsonl", dump_folder / cfg.save_tb_folder
+            if resume_step is not None:
+                keep_records_up_to(self.jsonl_path, resume_step)
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(dump_folder / cfg.save_tb_folder),
-                                        purge_step=resume_step + 1 if resume_step else None)
+                self.tb = SummaryWriter(str(self.tb_folder), purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
                 self.tb.add_text("config", f"```\n{config_text}\n```")
         self.reset_timer()
+
+    def continue_after(self, step: int, took_state: bool) -> None:
+        """A replica group goes on after `step`: what it logged for later steps goes (they are run again); where it
+        took a live group's state (`took_state`), the steps it did not train since its last record are marked as
+        such, and its earlier records stay."""
+        if not self.is_writer:
+            return
+        lines = self.jsonl_path.read_text().splitlines(keepends=True)
+        records = [json.loads(line) for line in lines if line.endswith("\n")]  # not a line a killed run left unfinished
+        if any(record.get("step", 0) > step for record in records):
+            self.jsonl.close()
+            keep_records_up_to(self.jsonl_path, step)
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)
+            if self.tb is not None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb.close()
+                self.tb = SummaryWriter(str(self.tb_folder), purge_step=step + 1)
+        last = max((r["step"] for r in records if "loss" in r and r["step"] <= step), default=0)
+        if took_state and last < step:
+            note = f"steps {last + 1} to {step} trained by the other replica groups: this group took their state"
+            self.jsonl.write(json.dumps({"step": step, "not_trained_here": [last + 1, step], "note": note}) + "\n")
+            if self.tb is not None:
+                self.tb.add_text("replica_group", note, step)
 
     def reset_timer(self) -> None:
         self.tokens, self.start = 0, time.perf_counter()

@@ -153,6 +153,18 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
     after = {s: loss for s, loss in losses(dump / "replica_1").items() if s > joined_at}
     assert len(after) == steps - joined_at and all(losses(dump / "replica_0")[s] == loss for s, loss in after.items())
     assert_same_weights(dump / "replica_0", dump / "replica_1", steps)
+    # Group 1 keeps what it logged before it was killed, and marks each stretch it took from group 0 instead.
+    records = metric_lines(dump / "replica_1")
+    trained = [m["step"] for m in records if "loss" in m]
+    holes = [m["not_trained_here"] for m in records if "not_trained_here" in m]
+    assert killed_at in trained and any(first > killed_at and last == joined_at for first, last in holes), holes
+    assert sorted(trained + [s for first, last in holes for s in range(first, last + 1)]) == list(range(1, steps + 1))
+    # Each group's lines name it, in the terminal and in its own log.txt; no transfer's access log, no warning.
+    own_log = (dump / "replica_1" / "log.txt").read_text()
+    assert "[g1 rank0]" in own_log and "took the state of step" in own_log and "[g0 " not in own_log
+    assert "[g0 rank0]" in logs[0].read_text() and "[g1 rank0]" in rejoined
+    for log in logs:
+        assert "GET /checkpoint" not in log.read_text() and "Warning" not in log.read_text(), log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("args, message", [
