@@ -144,7 +144,9 @@ def train(config: Config, signals: StopSignals) -> int:
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
     preemption.before_first_step()  # a stop signal during start-up ends the run here, nothing trained or written
     if start_step >= training.steps:
-        logger.info(f"nothing to do: the checkpoint is at step {start_step} and training.steps is {training.steps}")
+        logger.info(f"nothing trained: the checkpoint in {dump_folder} is at step {start_step} and training.steps is "
+                    f"{training.steps}; raise --training.steps to train on, or give a new run its own "
+                    "--job.dump_folder")
         return 0
     ft = config.fault_tolerance.enable  # a replica group learns the step it goes on from at its first quorum
     metrics = MetricsLogger(

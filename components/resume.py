@@ -107,7 +107,11 @@ def check_resume(config: Config, dump_folder: Path, weights: dict[str, torch.Ten
         changes.append(f"layout {', '.join(moved)} ({saved['world_size']} → {record['world_size']} processes)")
     changes += _changed(old, new, [key for key in new if key.partition(".")[0] in NAMED_SECTIONS
                                    and key not in NOT_NAMED])
-    if changes:
+    if changes and step >= config.training.steps:
+        logger.warning(f"{dump_folder} holds a finished run (its checkpoint is at step {step}): this launch's changes "
+                       f"({', '.join(changes)}) apply to no step; for a run of its own, give it its own "
+                       "--job.dump_folder")
+    elif changes:
         logger.info(f"resuming step {step} with changes since it was saved: {', '.join(changes)}")
     if config.checkpoint.initial_load_path:
         logger.warning(f"checkpoint.initial_load_path {config.checkpoint.initial_load_path} is not loaded: this "
