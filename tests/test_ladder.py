@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import REPO, read_csv
 
+from scripts.ladder import plan
 from scripts.ladder.__main__ import main
 from scripts.ladder.fit import Law, bootstrap, fit_law
 from scripts.ladder.plan import held_out, plan_runs
@@ -160,13 +161,16 @@ def test_an_unknown_holdout_on_the_command_line_and_a_missing_file_fail_cleanly(
     assert "run the ladder first" in capsys.readouterr().err
 
 
-def test_rungs_over_the_memory_budget_are_all_named_before_anything_runs(tmp_path, capsys, no_launch):
+def test_rungs_over_the_memory_budget_are_all_named_before_anything_runs(tmp_path, capsys, no_launch, monkeypatch):
+    # The estimate's CPU baseline is this process's peak resident memory: in a test process, whatever the tests
+    # before it reached. A fresh ladder process's (0.3 GiB here) makes the figures those of the command.
+    monkeypatch.setattr(plan, "cpu_baseline_bytes", lambda config: int(0.3 * 2**30))
     big = '[[rungs]]\nname = "{name}"\n"model.dim" = {dim}\n"model.n_heads" = 16\n"model.n_kv_heads" = 4\n'
     body = TINY_LADDER.replace("bootstrap = 5", "memory_budget_gib = 2\nbootstrap = 5")
-    path = write_ladder(tmp_path, body + big.format(name="d2048", dim=2048) + big.format(name="d3072", dim=3072))
+    path = write_ladder(tmp_path, body + big.format(name="d3072", dim=3072) + big.format(name="d4096", dim=4096))
     assert main([str(path), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ladder error: 2 rung(s) over memory_budget_gib = 2: d2048 (") and "d3072 (" in err, err
+    assert err.startswith("ladder error: 2 rung(s) over memory_budget_gib = 2: d3072 (") and "d4096 (" in err, err
     assert "d32 (" not in err and "d64 (" not in err and "nothing was run" in err
     assert not (tmp_path / "out").exists()
 
