@@ -120,8 +120,7 @@ def train(config: Config, signals: StopSignals) -> int:
     logger.info(
         f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M "
         f"parameters, {params_on_rank / 1e6:.2f}M on this rank | global batch {plan.global_batch} x "
-        f"{training.seq_len} tokens, gradient accumulation {plan.grad_accum_steps}"
-    )
+        f"{training.seq_len} tokens, gradient accumulation {plan.grad_accum_steps}")
 
     # --- Optimizer, schedule, data, evaluation and checkpoints -------------------------------
     optimizers = Optimizers(model_parts, config.optimizer)
@@ -144,21 +143,15 @@ def train(config: Config, signals: StopSignals) -> int:
     preemption = Preemption(signals, checkpointer, dump_folder, config.comm.train_timeout_seconds)
     preemption.before_first_step()  # a stop signal during start-up ends the run here, nothing trained or written
     if start_step >= training.steps:
-        logger.info(f"nothing trained: the checkpoint in {dump_folder} is at step {start_step} and training.steps is "
-                    f"{training.steps}; raise --training.steps to train on, or give a new run its own "
-                    "--job.dump_folder")
+        logger.info(f"nothing trained: the checkpoint in {dump_folder} is at step {start_step} = training.steps; raise "
+                    "--training.steps to train on, or give a new run its own --job.dump_folder")
         return 0
-    ft = config.fault_tolerance.enable  # a replica group learns the step it goes on from at its first quorum
-    metrics = MetricsLogger(
-        dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len), world_size, rank == 0,
-        to_toml(config), matmul_dtype=matmul_dtype, resume_step=None if ft else start_step,
-    )
+    metrics = MetricsLogger(dump_folder, config.metrics, device, model_args.flops_per_token(training.seq_len),
+                            world_size, rank == 0, to_toml(config), matmul_dtype=matmul_dtype,
+                            resume_step=None if config.fault_tolerance.enable else start_step)  # groups: at a quorum
     if rank == 0:  # only now: a launch refused at start-up (W&B's included) leaves the folder as it was
         logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
-        if ft:  # several groups share a terminal: each keeps its own log too
-            logging.getLogger().addHandler(file_log := logging.FileHandler(dump_folder / "log.txt"))
-            file_log.setFormatter(logging.getLogger().handlers[0].formatter)
-    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, metrics, device)
+    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, metrics, dump_folder, device)
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     # What each step adds to its record (components/in_loop.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
@@ -176,8 +169,7 @@ def train(config: Config, signals: StopSignals) -> int:
     batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in data_hash)
 
     # --- The training loop -------------------------------------------------------------------
-    logger.info(f"training steps {start_step + 1} to {training.steps}"
-                + (" (from a live replica group's step, if one is ahead)" if config.fault_tolerance.enable else ""))
+    logger.info(f"training steps {start_step + 1} to {training.steps}")
     try:
         with Profiler(config.profiling, dump_folder, rank, device, start_step, training.steps) as profiler:
             while train_state.step < training.steps:

@@ -23,6 +23,7 @@ import os
 import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,8 @@ def check_replica_config(cfg: FaultTolerance, dims) -> None:
 
 
 def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
-                   device: torch.device) -> ReplicaGroups | NoReplicas:
-    return ReplicaGroups(cfg, checkpointed, step, metrics, device) if cfg.enable else NoReplicas()
+                   folder: Path, device: torch.device) -> ReplicaGroups | NoReplicas:
+    return ReplicaGroups(cfg, checkpointed, step, metrics, folder, device) if cfg.enable else NoReplicas()
 
 
 class NoReplicas:
@@ -95,7 +96,7 @@ class ReplicaGroups:
     taken (should_commit); and `states`, what a (re)joining group takes from a live one."""
 
     def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
-                 device: torch.device):
+                 folder: Path, device: torch.device):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's server logs every quorum and commit at info
         for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -129,8 +130,12 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
         self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
         self.speaks = dist.get_rank() == 0  # each group's rank 0
+        if self.speaks:  # several groups share a terminal: each keeps its own log too
+            logging.getLogger().addHandler(file_log := logging.FileHandler(folder / "log.txt"))
+            file_log.setFormatter(logging.getLogger().handlers[0].formatter)
         lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-        logger.info(f"replica group {cfg.replica_id} of {cfg.replica_groups}, in the quorums of {lighthouse}")
+        logger.info(f"replica group {cfg.replica_id} of {cfg.replica_groups}, in the quorums of {lighthouse}; a live "
+                    "group's step, if one is ahead, replaces this group's start at the first quorum")
 
     def start_step(self) -> None:
         """Join this step's quorum. A group behind the quorum takes a live group's state here (self._load)."""

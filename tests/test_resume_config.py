@@ -132,8 +132,8 @@ def test_a_changed_relaunch_of_a_finished_run_says_it_trains_nothing_and_the_way
     err = capsys.readouterr().err
     assert (f"{trained} holds a finished run (its checkpoint is at step 2): this launch's changes (optimizer.lr "
             "0.002 → 0.001) apply to no step; for a run of its own, give it its own --job.dump_folder") in err
-    assert (f"nothing trained: the checkpoint in {trained} is at step 2 and training.steps is 2; raise "
-            "--training.steps to train on, or give a new run its own --job.dump_folder") in err
+    assert (f"nothing trained: the checkpoint in {trained} is at step 2 = training.steps; raise --training.steps to "
+            "train on, or give a new run its own --job.dump_folder") in err
     assert "resuming" not in err and folder_hashes(trained) == before
     assert train_in_process([*ARGS, "--optimizer.lr", "0.001", "--training.steps", "3", "--job.dump_folder",
                              str(trained)]) == 0
