@@ -130,9 +130,10 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
         self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
         self.speaks = dist.get_rank() == 0  # each group's rank 0
-        if self.speaks:  # several groups share a terminal: each keeps its own log too
-            logging.getLogger().addHandler(file_log := logging.FileHandler(folder / "log.txt"))
-            file_log.setFormatter(logging.getLogger().handlers[0].formatter)
+        self.file_log = logging.FileHandler(folder / "log.txt") if self.speaks else None
+        if self.file_log:  # several groups share a terminal: each keeps its own log too
+            self.file_log.setFormatter(logging.getLogger().handlers[0].formatter)
+            logging.getLogger().addHandler(self.file_log)
         lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         logger.info(f"replica group {cfg.replica_id} of {cfg.replica_groups}, in the quorums of {lighthouse}; a live "
                     "group's step, if one is ahead, replaces this group's start at the first quorum")
@@ -180,6 +181,9 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        if self.file_log:
+            logging.getLogger().removeHandler(self.file_log)
+            self.file_log.close()
 
     def _state(self) -> dict:
         """What a joining group takes: every state but the data loader's (each group reads its own share), with
