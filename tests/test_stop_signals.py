@@ -16,7 +16,8 @@ from fault_injection import kill_tree
 
 RUN = [*TINY, "--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.enable", "true"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")  # as run_train.sh sets it
+           # As run_train.sh sets them: on a loaded machine, workers stopped while importing take more than 30 s.
+           PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300")
 
 
 def launch(nproc: int, dump: Path, stop_signal: str) -> subprocess.CompletedProcess:
