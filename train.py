@@ -155,7 +155,7 @@ def train(config: Config, signals: StopSignals) -> int:
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     # What each step adds to its record (components/in_loop.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
-    step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics)]
+    step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics, device)]
     step_features += [ZLossFigure(z_loss, model)] if z_loss else []
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
     step_features += [SourceTokens(dataloader, dp_group, device), ParamNorm(optimizers, model.pp_group)]

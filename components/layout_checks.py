@@ -57,6 +57,11 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
     if dims.ep > 1 and not has_moe_layer(model):
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} needs a mixture-of-experts model; "
                           f"{config.model.name} {config.model.flavor} has none")
+    if config.moe.aux_loss_coef and (dims.tp > 1 or dims.cp > 1) and has_moe_layer(model):
+        # Each rank's experts see its share of every sequence: the loss would measure balance over shares.
+        raise ConfigError(f"not available yet: moe.aux_loss_coef {config.moe.aux_loss_coef} with tensor or context "
+                          f"parallelism (each rank would measure the balance of its part of every sequence); balance "
+                          f"with moe.bias_update_speed instead")
     if config.fault_tolerance.enable and has_moe_layer(model):  # each group's routing biases would drift apart
         raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
 

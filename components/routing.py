@@ -18,12 +18,17 @@ class RoutingTally:
     rank then moves its biases by the same counts, whatever the layout."""
 
     def __init__(self, model_parts: list[nn.Module], n_layers: int, micro_batches_per_step: int,
-                 metrics: MetricsLogger | None = None):
+                 metrics: MetricsLogger | None = None, device: torch.device | str = "cpu"):
         self.layers = {int(index): moe for part in model_parts for index, block in part.transformer_blocks().items()
                        for _, moe in moe_layers(block)}
-        self.n_layers, self.metrics = n_layers, metrics
-        self.num_experts = max((m.num_experts for m in self.layers.values()), default=0)
-        self.update_bias = any(m.bias_update_speed > 0 for m in self.layers.values())
+        self.n_layers, self.metrics, self.device = n_layers, metrics, device
+        # Of the whole model: a pipeline stage may hold no MoE layer (DeepSeek-V3's first blocks are dense), and
+        # its rank must still join the tally's all-reduce. Agreed on once, here.
+        whole = torch.tensor([max((m.num_experts for m in self.layers.values()), default=0),
+                              any(m.bias_update_speed > 0 for m in self.layers.values())], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(whole, op=dist.ReduceOp.MAX)
+        self.num_experts, self.update_bias = int(whole[0]), bool(whole[1])
         for moe in self.layers.values():  # averaged over the step's micro-batches, like the training loss
             moe.aux_loss_scale = 1 / micro_batches_per_step
 
@@ -40,13 +45,12 @@ class RoutingTally:
         """Call on every rank after the optimizer step (`skipped`: a boolean tensor, true where it was
         not taken, which leaves the biases as they are). With `metrics`, returns {moe_aux_loss,
         moe_max_load} and each layer's expert load (tokens per expert / their mean); else empty dicts."""
-        if not self.layers or not (self.update_bias or metrics):
+        if not self.num_experts or not (self.update_bias or metrics):
             for moe in self.layers.values():
                 moe.reset_tally()
             return {}, {}
-        device = next(iter(self.layers.values())).tokens_per_expert.device
         # Per layer: the experts' token counts, the auxiliary loss summed over forwards, the forwards.
-        tally = torch.zeros(self.n_layers, self.num_experts + 2, device=device)
+        tally = torch.zeros(self.n_layers, self.num_experts + 2, device=self.device)
         for index, moe in self.layers.items():
             tally[index, : moe.num_experts] = moe.tokens_per_expert
             tally[index, -2], tally[index, -1] = moe.aux_loss_sum, moe.forwards
@@ -60,9 +64,11 @@ class RoutingTally:
                 moe.expert_bias.add_((delta - delta.mean()) * ~skipped)
         if not metrics:
             return {}, {}
-        rows = tally[sorted(self.layers)].cpu()
+        # Every MoE layer of the model, those of other pipeline stages too: the layers that routed tokens on some rank.
+        layers = tally[:, :-2].sum(1).nonzero().flatten().tolist()
+        rows = tally[layers].cpu()
         counts = rows[:, :-2]
         load = counts / counts.mean(1, keepdim=True).clamp(min=1e-9)
         aux = (rows[:, -2] / rows[:, -1].clamp(min=1)).mean()
         figures = {"moe_aux_loss": aux.item(), "moe_max_load": load.max().item()}
-        return figures, {layer: load[i] for i, layer in enumerate(sorted(self.layers))}
+        return figures, {layer: load[i] for i, layer in enumerate(layers)}

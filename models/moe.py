@@ -22,7 +22,7 @@ bias updates, are in components/routing.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -45,6 +45,12 @@ class MoEArgs:
     """Rescale the chosen experts' scores to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
     route_scale: float = 1.0
     """Multiplies the chosen experts' weights (DeepSeek-V3's routed_scaling_factor)."""
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many groups of consecutive
+    indices, and a token chooses among those of its best `topk_groups` groups only, each group ranked by the
+    sum of its two best scores (routing bias included). 1: no groups."""
+    topk_groups: int = 1
+    """DeepSeek-V3's topk_group: with n_groups, the groups a token's experts may come from."""
     bias_update_speed: float = 0.0
     """Auxiliary-loss-free balancing: the step by which each expert's routing bias moves after an
     optimizer step; 0 turns it off."""
@@ -63,10 +69,32 @@ def check_moe_args(args: MoEArgs, key_prefix: str = "moe.") -> None:
     if not 1 <= args.top_k <= args.num_experts:
         raise ValueError(f"{key_prefix}top_k {args.top_k} must be between 1 and {key_prefix}num_experts "
                          f"({args.num_experts})")
+    if args.n_groups > 1 and (args.num_experts % args.n_groups or args.num_experts // args.n_groups < 2):
+        raise ValueError(f"{key_prefix}n_groups {args.n_groups} must divide {key_prefix}num_experts "
+                         f"({args.num_experts}) into groups of at least 2 experts")
+    if args.n_groups > 1 and not 1 <= args.topk_groups <= args.n_groups:
+        raise ValueError(f"{key_prefix}topk_groups {args.topk_groups} must be between 1 and {key_prefix}n_groups "
+                         f"({args.n_groups})")
+    if args.n_groups > 1 and args.top_k > args.topk_groups * (args.num_experts // args.n_groups):
+        raise ValueError(f"{key_prefix}top_k {args.top_k} is more than the experts of {key_prefix}topk_groups "
+                         f"({args.topk_groups}) groups of {args.num_experts // args.n_groups}")
     if args.score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"{key_prefix}score_func must be softmax or sigmoid, got {args.score_func!r}")
     if args.aux_loss_type not in ("sequence", "global"):
         raise ValueError(f"{key_prefix}aux_loss_type must be sequence or global, got {args.aux_loss_type!r}")
+
+
+FLAVOR_KEYS = ("num_experts", "top_k", "hidden_dim", "num_shared_experts", "n_groups", "topk_groups")
+"""The [moe] keys that, when set, replace the flavor's value; the section's other keys always apply."""
+
+
+def moe_args_from_config(flavor: MoEArgs, moe) -> MoEArgs:
+    """A flavor's experts with the `[moe]` section (components/config: MoE) applied, checked."""
+    args = replace(flavor, **{key: getattr(moe, key) for key in FLAVOR_KEYS if getattr(moe, key) is not None},
+                   bias_update_speed=moe.bias_update_speed, aux_loss_coef=moe.aux_loss_coef,
+                   aux_loss_type=moe.aux_loss_type, z_loss_coef=moe.z_loss_coef)
+    check_moe_args(args, key_prefix="moe.")
+    return args
 
 
 class AttachLoss(torch.autograd.Function):
@@ -91,12 +119,18 @@ class Router(nn.Module):
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
-    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor):
         """x: (tokens, dim). Returns the logits and scores (tokens, num_experts), and the chosen
-        experts and their weights (tokens, top_k)."""
+        experts and their weights (tokens, top_k). The routing bias takes part in the choice only."""
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
-        choice = scores if expert_bias is None else scores + expert_bias
+        choice = scores + expert_bias
+        if self.args.n_groups > 1:  # only the experts of each token's best topk_groups groups stay in the running
+            groups = choice.unflatten(-1, (self.args.n_groups, -1))
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)
+            kept = group_scores.topk(self.args.topk_groups, dim=-1).indices
+            out = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, kept, False)
+            choice = groups.masked_fill(out.unsqueeze(-1), float("-inf")).flatten(-2)
         experts = choice.topk(self.args.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.args.norm_topk_prob and self.args.top_k > 1:
@@ -212,8 +246,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        bias = self.expert_bias if self.args.bias_update_speed > 0 else None
-        logits, scores, experts, weights = self.router(tokens, bias)
+        logits, scores, experts, weights = self.router(tokens, self.expert_bias)
         flat = experts.flatten()
         counts = flat.new_zeros(self.args.num_experts).index_add_(0, flat, torch.ones_like(flat))
         # Each (token, choice) slot, sorted by expert: the experts see their tokens contiguously.

@@ -109,6 +109,16 @@ def _gather_shares(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     return gathered.to_local(grad_placements=[Partial()])
 
 
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's keys and values in one all-gather, joined along the head size (which may differ: multi-head
+    latent attention's values are narrower than its keys); `_split_kv` parts them."""
+    return _gather_shares(torch.cat([k, v], dim=-1), cp_mesh)
+
+
+def _split_kv(joined: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return joined.split([k.shape[-1], joined.shape[-1] - k.shape[-1]], dim=-1)
+
+
 def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
     """The ranks' zigzag shares (..., cp_size * local_seq, head_dim), concatenated in rank order,
     put in sequence order.
@@ -130,11 +140,10 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding this rank's share of the tokens; n_kv_heads may divide n_heads (grouped-query
-    attention). Returns a tensor shaped like q."""
+    attention). Returns a tensor shaped like q, but for the head size, v's."""
     if mask is not None:
         return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec)
-    gathered = _gather_shares(torch.stack([k, v]), cp_mesh)  # one all-gather for both
-    k, v = zigzag_to_sequence_order(gathered, cp_mesh.size())
+    k, v = _split_kv(zigzag_to_sequence_order(_gather_kv(k, v, cp_mesh), cp_mesh.size()), k)
     if spec != CAUSAL:
         return zigzag_declared_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec)
     return zigzag_attention(q, k, v, masks)
@@ -144,7 +153,7 @@ def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh
                                    spec: AttentionMask) -> torch.Tensor:
     """allgather under document masking: the gathered keys and values put in sequence order, row by row."""
     shares = documents.shares.flatten(1)  # (batch, seq): the positions of the gathered keys, in rank order
-    k, v = take(_gather_shares(torch.stack([k, v]), cp_mesh), shares.argsort(dim=1), dim=3, batch_dim=1)
+    k, v = _split_kv(take(_gather_kv(k, v, cp_mesh), shares.argsort(dim=1), dim=2), k)
     return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), spec)
 
 

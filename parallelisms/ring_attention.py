@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.attention import CAUSAL, AttentionMask, visible_keys
@@ -280,9 +281,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
     zigzag shares; n_kv_heads may divide n_heads. Given `documents` (the attention modules' mask under document
     masking, `ring_documents`: the shares are then by documents), within documents; under the layer's declared
-    `spec` (window, sinks, mask_mod), skipping the blocks wholly outside a window. Returns a tensor shaped like q.
+    `spec` (window, sinks, mask_mod), skipping the blocks wholly outside a window. Returns a tensor shaped like q,
+    but for the head size, v's (values narrower than the queries travel padded: the kernels want one head size).
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Ring(cp_mesh), documents,
-                               head_repeats(q, k, q.device.type), spec)
+    narrower = v.shape[-1] < q.shape[-1]  # multi-head latent attention's values: zeros pad them to the kernels' size
+    padded = F.pad(v, (0, q.shape[-1] - v.shape[-1])) if narrower else v
+    out = RingAttention.apply(q.contiguous(), k.contiguous(), padded.contiguous(), Ring(cp_mesh), documents,
+                              head_repeats(q, k, q.device.type), spec)
+    return out[..., :v.shape[-1]] if narrower else out

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
@@ -57,3 +58,26 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module every tp rank computes whole, from a Replicate input, for what its heads need (MLA's low-rank
+    projections and their norms, models/deepseek_v3): its parameters become Replicate DTensors and its output
+    stays a Replicate DTensor. The column-wise layers that take that output sum their input's gradient over
+    the ranks, so these parameters get the whole model's gradient on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated_input(module, inputs, device_mesh):
+            return tuple(x if isinstance(x, DTensor) or not isinstance(x, torch.Tensor)
+                         else DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+        return distribute_module(module, device_mesh, input_fn=replicated_input)
+
+
+def local_for_own_heads(x: torch.Tensor) -> torch.Tensor:
+    """x, which every tp rank computed whole (a Replicate DTensor) and uses for its own heads only (MLA's rotated
+    key, shared by the heads), as this rank's plain tensor whose gradient, from its own heads, is summed over the
+    ranks in backward. A plain tensor (no tensor parallelism) is returned as it is."""
+    if isinstance(x, DTensor):
+        return x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
+    return x

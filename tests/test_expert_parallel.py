@@ -1,8 +1,8 @@
-"""Expert parallelism in training: the debug MoE model on 2 and 4 gloo processes, with ep combined with
-FSDP, HSDP, tensor and pipeline parallelism, activation checkpointing and compile, trains like one
-process (the same global batches, per-step losses and gradient norms at the same global batch and seed, CPU fp32;
-on the default config's data and on the packed corpus); a checkpoint
-saved at one ep degree resumes at another and exports like one process's."""
+"""Expert parallelism in training: the debug Qwen3-MoE model on 2 and 4 gloo processes, with ep combined with
+FSDP, activation checkpointing and CPU offload, and under tensor parallelism, trains like one process (the same
+global batches, per-step losses, gradient norms and routing tally at the same global batch and seed, CPU fp32; on
+the default config's data and on the packed corpus); a checkpoint saved at one ep degree resumes at another and
+exports like one process's. With HSDP, tensor and pipeline parallelism and compile: tests/test_deepseek_v3.py."""
 
 import shutil
 
@@ -33,15 +33,12 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, extra=()):
     ]
 
 
+# Expert parallelism with tensor and pipeline parallelism, HSDP and compile runs on DeepSeek-V3, whose blocks hold
+# the same MoE layer (tests/test_deepseek_v3.py); here on Qwen3-MoE, every block an MoE one.
 LAYOUTS = {  # name: (processes, arguments), data (half on the default config's data, half on the packed corpus)
     "dp_shard4_ep4": (layout(dp_shard=4, ep=4), "hf"),
-    "dp_shard2_tp2_ep2": (layout(dp_shard=2, tp=2, ep=2), "packed"),
-    "pp2_dp_shard2_ep2": (layout(pp=2, dp_shard=2, ep=2, extra=["--parallelism.pipeline_parallel_microbatch_size",
-                                                                  "1"]), "hf"),
-    "hsdp_2x2_ep2": (layout(dp_replicate=2, dp_shard=2, ep=2), "packed"),
-    "tp2": (layout(tp=2), "hf"),
-    "dp_shard2_ep2_full_ac": (layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]), "packed"),
-    "dp_shard2_ep2_compile": (layout(dp_shard=2, ep=2, extra=["--compile.enable", "true"]), "hf"),
+    "tp2": (layout(tp=2), "packed"),
+    "dp_shard2_ep2_full_ac": (layout(dp_shard=2, ep=2, extra=["--activation_checkpoint.mode", "full"]), "hf"),
     "dp_shard2_ep2_cpu_offload": (layout(dp_shard=2, ep=2, extra=["--parallelism.fsdp_cpu_offload", "true"]), "packed"),
 }
 DATA = {"hf": ON_HF, "packed": []}
@@ -81,12 +78,11 @@ def test_expert_parallel_layout_matches_one_process(name, references, layout_run
         [m["data_hash"] for m in metric_lines(reference) if "loss" in m]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-3), (name, step, got[step], loss)
-    if name.startswith("pp2"):  # the routing of torch's shape inference on placeholders is not counted (it was)
-        assert got == pytest.approx(expected, rel=1e-6, abs=0)
     for step, norm in grad_norms(reference).items():
         assert grad_norms(dump)[step] == pytest.approx(norm, rel=1e-3), (name, step)
-    moe_records = [m for m in metric_lines(dump) if "loss" in m]
-    assert all(m["moe_max_load"] >= 1 and "moe_aux_loss" in m for m in moe_records)
+    # The routing tally of the whole model (every pipeline stage's layers), as one process counts it.
+    loads = {m["step"]: m["moe_max_load"] for m in metric_lines(dump) if "loss" in m}
+    assert loads == pytest.approx({m["step"]: m["moe_max_load"] for m in metric_lines(reference) if "loss" in m})
 
 
 def test_checkpoint_saved_at_ep4_resumes_at_ep2_with_tensor_parallel(reference, tmp_path):

@@ -86,6 +86,8 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu():
     ("debug_moe.toml", {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
                         "expert_parallel_degree": 2, "tensor_parallel_degree": 2}),
     ("debug_moe.toml", {"data_parallel_shard_degree": 8, "expert_parallel_degree": 2}),
+    ("debug_deepseek_v3.toml", {"data_parallel_shard_degree": 4, "expert_parallel_degree": 4,
+                                "tensor_parallel_degree": 2}),
 ])
 def test_parameters_per_rank_match_the_real_parallelized_model(config_file, layout):
     """The estimator's count equals what train.py's parallelize leaves on rank 0, built on the meta
@@ -237,17 +239,20 @@ def test_llama3_8b_estimate_is_fast_plausible_and_allocates_nothing():
 
 
 @pytest.mark.slow
-def test_estimate_is_within_20_percent_of_a_real_cpu_run(tmp_path):
+@pytest.mark.parametrize("config_file", ["debug_model.toml", "debug_deepseek_v3.toml"])
+def test_estimate_is_within_20_percent_of_a_real_cpu_run(tmp_path, config_file):
     """A real run in a fresh process (its peak resident memory is then its own), against the estimator's CLI,
-    also in a fresh process (it measures its baseline in itself)."""
+    also in a fresh process (it measures its baseline in itself); Llama 3, and DeepSeek-V3's latent attention and
+    experts."""
+    run = [*SMALL, "--job.config_file", config_file]
     train = subprocess.run(
-        [sys.executable, "train.py", *SMALL, "--training.steps", "4", "--job.dump_folder", str(tmp_path)],
+        [sys.executable, "train.py", *run, "--training.steps", "4", "--job.dump_folder", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert train.returncode == 0, train.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["memory_gib"] for r in records)
-    cli = subprocess.run([sys.executable, "-m", "scripts.memory_estimate", *SMALL], cwd=REPO, capture_output=True,
+    cli = subprocess.run([sys.executable, "-m", "scripts.memory_estimate", *run], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     estimated = float(re.search(r"^\s+total\s+([0-9.]+) GiB", cli.stdout, re.M).group(1))

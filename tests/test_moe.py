@@ -32,8 +32,7 @@ def tiny_moe(seed: int = 0, **overrides) -> MoE:
 def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Each token through its chosen experts one at a time, weighted, plus the shared experts."""
     tokens = x.reshape(-1, DIM)
-    bias = moe.expert_bias if moe.args.bias_update_speed > 0 else None
-    _, _, experts, weights = moe.router(tokens, bias)
+    _, _, experts, weights = moe.router(tokens, moe.expert_bias)
     w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
     rows = []
     for t, token in enumerate(tokens):
@@ -51,18 +50,37 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     {"score_func": "sigmoid", "num_shared_experts": 1, "route_scale": 2.5},
     {"norm_topk_prob": False, "top_k": 1},
     {"bias_update_speed": 0.01},
+    {"score_func": "sigmoid", "n_groups": 4, "topk_groups": 2, "top_k": 3, "num_shared_experts": 2},
 ])
 def test_moe_matches_a_per_token_reference(args):
     moe = tiny_moe(**args)
-    if args.get("bias_update_speed"):
-        moe.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))  # the bias changes the choice, not the weights
+    moe.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))  # the bias changes the choice, not the weights
     x = torch.randn(3, 5, DIM)
     torch.testing.assert_close(moe(x), reference(moe, x), **TOL)
+
+
+def test_group_limited_routing_chooses_the_best_experts_of_the_best_groups():
+    """DeepSeek-V3's rule, token by token: rank the groups by the sum of their two best biased scores, keep the best
+    topk_groups, take the top_k biased scores among their experts; the weights are the unbiased scores."""
+    moe = tiny_moe(num_experts=12, top_k=3, score_func="sigmoid", n_groups=4, topk_groups=2, norm_topk_prob=False)
+    moe.expert_bias.copy_(torch.randn(12, generator=torch.Generator().manual_seed(1)) * 0.3)
+    tokens = torch.randn(40, DIM)
+    logits, scores, experts, weights = moe.router(tokens, moe.expert_bias)
+    for t in range(len(tokens)):
+        biased = (scores[t] + moe.expert_bias).tolist()
+        groups = sorted(range(4), key=lambda g: -sum(sorted(biased[3 * g:3 * g + 3])[-2:]))[:2]
+        allowed = [e for g in groups for e in range(3 * g, 3 * g + 3)]
+        assert sorted(experts[t].tolist()) == sorted(sorted(allowed, key=lambda e: -biased[e])[:3])
+    torch.testing.assert_close(weights, logits.sigmoid().gather(-1, experts))
 
 
 def test_bad_expert_settings_are_refused_with_the_key():
     with pytest.raises(ValueError, match=r"moe\.top_k 9 must be between 1 and moe\.num_experts \(8\)"):
         MoE(DIM, MoEArgs(num_experts=8, top_k=9))
+    with pytest.raises(ValueError, match=r"moe\.n_groups 3 must divide moe\.num_experts \(8\)"):
+        MoE(DIM, MoEArgs(num_experts=8, n_groups=3))
+    with pytest.raises(ValueError, match=r"moe\.top_k 6 is more than the experts of moe\.topk_groups \(1\)"):
+        MoE(DIM, MoEArgs(num_experts=8, top_k=6, n_groups=2, topk_groups=1))
 
 
 def test_the_auxiliary_loss_reaches_the_router_as_if_added_to_the_loss():
@@ -78,7 +96,7 @@ def test_the_auxiliary_loss_reaches_the_router_as_if_added_to_the_loss():
     plain.load_state_dict(moe.state_dict())
     plain.args.aux_loss_coef = plain.args.z_loss_coef = 0.0
     tokens = x.reshape(-1, DIM)
-    logits, scores, experts, _ = plain.router(tokens, None)
+    logits, scores, experts, _ = plain.router(tokens, plain.expert_bias)
     aux, z = plain.balancing_losses(logits, scores, experts, batch=2)
     (plain(x).square().sum() + 0.5 * (coef * aux + z_coef * z)).backward()
     torch.testing.assert_close(attached, plain.router.gate.weight.grad, **TOL)

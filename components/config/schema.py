@@ -97,6 +97,14 @@ class MoE:
     """Experts per token."""
     hidden_dim: int | None = None
     """One expert's feed-forward hidden size."""
+    num_shared_experts: int | None = None
+    """Experts every token goes through besides its top_k (DeepSeek-V3's 1), as one feed-forward of this many
+    x hidden_dim; 0: none. This and the next two override the flavor's value when set."""
+    n_groups: int | None = None
+    """Group-limited routing (DeepSeek-V3): the experts form this many groups, and a token's experts come from
+    its best topk_groups groups only; 1: no groups."""
+    topk_groups: int | None = None
+    """With n_groups: how many of its best groups a token's experts may come from."""
     bias_update_speed: float = 0.001
     """Auxiliary-loss-free load balancing (DeepSeek-V3): after every optimizer step each expert's routing
     bias moves by this much towards balance; 0 turns it off."""
@@ -456,7 +464,8 @@ CHOICES = {
 
 RANGES = {
     "job.max_restarts": NON_NEGATIVE,
-    "moe.num_experts": COUNT, "moe.top_k": COUNT, "moe.hidden_dim": COUNT, "moe.bias_update_speed": OFF_AT_0,
+    "moe.num_experts": COUNT, "moe.top_k": COUNT, "moe.hidden_dim": COUNT, "moe.num_shared_experts": NON_NEGATIVE,
+    "moe.n_groups": COUNT, "moe.topk_groups": COUNT, "moe.bias_update_speed": OFF_AT_0,
     "moe.aux_loss_coef": NON_NEGATIVE, "moe.z_loss_coef": NON_NEGATIVE,
     "optimizer.lr": NON_NEGATIVE, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
     "optimizer.beta1": DECAY, "optimizer.beta2": DECAY, "optimizer.adamw_lr": NON_NEGATIVE,

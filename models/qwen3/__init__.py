@@ -5,7 +5,7 @@ it and its Hugging Face names. `__all__` below is this package's side of the mod
 from dataclasses import replace
 
 from components.config import Config
-from models.moe import check_moe_args
+from models.moe import moe_args_from_config
 from models.qwen3.config import ModelConfig
 from models.qwen3.flavors import flavors
 from models.qwen3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
@@ -19,8 +19,6 @@ HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings",
                "vocab_size")
-# [moe] keys that, when set, replace the flavor's value; the section's other keys always apply.
-MOE_OVERRIDABLE = ("num_experts", "top_k", "hidden_dim")
 
 
 def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
@@ -39,14 +37,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     if args.n_heads % (args.n_kv_heads or args.n_heads):
         raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
     if args.moe is not None:
-        moe = config.moe
-        args.moe = replace(
-            args.moe,
-            **{key: getattr(moe, key) for key in MOE_OVERRIDABLE if getattr(moe, key) is not None},
-            bias_update_speed=moe.bias_update_speed, aux_loss_coef=moe.aux_loss_coef,
-            aux_loss_type=moe.aux_loss_type, z_loss_coef=moe.z_loss_coef,
-        )
-        check_moe_args(args.moe, key_prefix="moe.")
+        args.moe = moe_args_from_config(args.moe, config.moe)
     args.max_seq_len = config.training.seq_len
     args.rope_per_document = config.model.rope_per_document
     return args

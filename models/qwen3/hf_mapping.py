@@ -3,15 +3,10 @@ Qwen3ForCausalLM and Qwen3MoeForCausalLM, and ModelArgs <-> the fields of their 
 (model_type qwen3 and qwen3_moe).
 
 Dense weights are only renamed: RoPE is in HF's rotate-half layout (see model.Transformer). The
-experts of an MoE layer are one (num_experts, ...) tensor per projection in ingot and one tensor per
-expert and projection in HF files, `mlp.experts.{i}.gate_proj.weight` (up_proj, down_proj), as
-save_pretrained writes them and the published checkpoints hold them. transformers fuses them in
-memory (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); from_hf reads that form too.
-
-to_hf's per-expert tensors are views of ingot's, so that loading into them fills the model
-(components/hf.py). A rank sharded by FSDP or expert parallelism holds whole experts, and only its
-own get HF names. The routing bias of auxiliary-loss-free balancing (`expert_bias`) has no HF
-counterpart: it is exported without, and imported as zeros.
+experts of an MoE layer are one tensor per projection in ingot and one per expert in HF files
+(models/hf_experts.py, which reads transformers' fused in-memory form too); to_hf's are views of ingot's, so
+that loading into them fills the model (components/hf.py). The routing bias of auxiliary-loss-free balancing
+(`expert_bias`) has no HF counterpart: it is exported without, and imported as zeros.
 """
 
 from __future__ import annotations
@@ -20,10 +15,9 @@ import re
 from dataclasses import replace
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.activations import ACTIVATIONS
+from models.hf_experts import experts_from_hf, experts_to_hf
 from models.moe import MoEArgs
 from models.qwen3.flavors import flavors
 from models.qwen3.model import ModelArgs
@@ -47,10 +41,8 @@ _IN_BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
 _FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
-_FROM_HF_EXPERTS = {hf: ours for ours, hf in _EXPERTS.items()}
 
 HF_CONFIG_KEYS = {
     "model_type": "model.flavor (a dense or a mixture-of-experts one)",
@@ -98,15 +90,6 @@ def ingot_name(name: str) -> str:
     raise KeyError(f"{name} is not a Qwen3 weight ingot knows")
 
 
-def local_experts(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """The experts of a (num_experts, ...) weight that this rank holds, and the index of the first:
-    all of them for a plain tensor, the local shard's for a DTensor (sharded on dim 0, if at all)."""
-    if isinstance(weight, DTensor):
-        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        return offset[0], weight.to_local()
-    return 0, weight
-
-
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An ingot (full or partial, e.g. one pipeline stage's) state dict under HF names. With tied
     embeddings, output.weight is the embedding matrix itself, which HF files hold once, as
@@ -115,9 +98,7 @@ def to_hf(state_dict: dict, args: ModelArgs) -> dict:
     for name, tensor in state_dict.items():
         experts = re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])", name)
         if experts:
-            first, local = local_experts(tensor)
-            for i, expert in enumerate(local):
-                hf[f"model.layers.{experts[1]}.mlp.experts.{first + i}.{_EXPERTS[experts[2]]}.weight"] = expert
+            hf |= experts_to_hf(experts[1], experts[2], tensor)
         elif not (name.endswith(".feed_forward.expert_bias") or (args.tie_embeddings and name == "output.weight")):
             hf[hf_name(name)] = tensor
     return hf
@@ -127,27 +108,12 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An HF state dict (experts one per tensor, or fused as transformers holds them) under ingot
     names, with a zero routing bias for each MoE layer. With tied embeddings, output.weight is added
     as the embedding and an HF lm_head.weight, which some tied checkpoints store as a copy, is dropped."""
-    renamed, experts = {}, {}
-    for name, tensor in state_dict.items():
-        if name.endswith("rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight"):
-            continue
-        one = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name)
-        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
-        if one and one[3] in _FROM_HF_EXPERTS:
-            ours = f"layers.{one[1]}.feed_forward.experts.{_FROM_HF_EXPERTS[one[3]]}"
-            experts.setdefault(ours, {})[int(one[2])] = tensor
-        elif fused and fused[2] == "down_proj":
-            renamed[f"layers.{fused[1]}.feed_forward.experts.w2"] = tensor
-        elif fused:  # gate and up projections concatenated along the hidden dimension, gate first
-            gate, up = tensor.chunk(2, dim=1)
-            renamed |= {f"layers.{fused[1]}.feed_forward.experts.w1": gate,
-                        f"layers.{fused[1]}.feed_forward.experts.w3": up}
-        else:
+    rest, experts = experts_from_hf(state_dict)
+    renamed = {f"layers.{block}.feed_forward.experts.{projection}": tensor
+               for (block, projection), tensor in experts.items()}
+    for name, tensor in rest.items():
+        if not (name.endswith("rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight")):
             renamed[ingot_name(name)] = tensor
-    for name, by_index in experts.items():
-        if sorted(by_index) != list(range(len(by_index))):
-            raise ValueError(f"{name}: the HF weights hold experts {sorted(by_index)}, not 0 to {len(by_index) - 1}")
-        renamed[name] = torch.stack([by_index[i] for i in range(len(by_index))])
     for name in list(renamed):
         router = re.fullmatch(r"(layers\.\d+\.feed_forward)\.router\.gate\.weight", name)
         if router:
@@ -158,13 +124,14 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
 
 
 def check_qwen3_form(args: ModelArgs) -> None:
-    """Refuse a mixture of experts that Qwen3MoeForCausalLM cannot express: its router is a softmax over the
+    """Refuse a mixture of experts that Qwen3MoeForCausalLM cannot express: its router is a softmax over all the
     experts, unscaled, and it has no shared experts."""
     moe = args.moe
-    if moe and (moe.score_func != "softmax" or moe.route_scale != 1.0 or moe.num_shared_experts):
-        raise ValueError(f"Qwen3MoeForCausalLM routes by softmax, unscaled, without shared experts: this model's "
-                         f"experts (score_func {moe.score_func}, route_scale {moe.route_scale}, num_shared_experts "
-                         f"{moe.num_shared_experts}) have no Hugging Face form")
+    if moe and (moe.score_func != "softmax" or moe.route_scale != 1.0 or moe.num_shared_experts or moe.n_groups > 1):
+        raise ValueError(f"Qwen3MoeForCausalLM routes by softmax over all experts, unscaled, without shared experts: "
+                         f"this model's experts (score_func {moe.score_func}, route_scale {moe.route_scale}, "
+                         f"num_shared_experts {moe.num_shared_experts}, n_groups {moe.n_groups}) have no Hugging "
+                         f"Face form")
 
 
 def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from components.attention import CAUSAL
+from components.attention import CAUSAL, attention_layers
 from components.loss import cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -131,12 +131,13 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
     def allgather(q, k, v, mask=None, spec=CAUSAL):
-        stacked = torch.stack([k, v])  # (2, batch, n_kv_heads, local_seq, head_dim)
-        gathered = stacked.repeat_interleave(cp, dim=stacked.dim() - 2)
+        joined = torch.cat([k, v], dim=-1)  # (batch, n_kv_heads, local_seq, k and v head sizes)
+        gathered = joined.repeat_interleave(cp, dim=2)
+        sizes = [k.shape[-1], v.shape[-1]]
         if mask is not None:
-            k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=3, batch_dim=1)
+            k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=2).split(sizes, dim=-1)
             return documents_attention(q, k, v, mask, 0, spec)
-        k, v = zigzag_to_sequence_order(gathered, cp)
+        k, v = zigzag_to_sequence_order(gathered, cp).split(sizes, dim=-1)
         if spec != CAUSAL:
             return zigzag_declared_attention(q, k, v, cp, 0, spec)
         return zigzag_attention(q, k, v, masks)
@@ -195,6 +196,17 @@ def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
     if target == "cuda" and dtype in (torch.float16, torch.bfloat16):
         return tuple(unmasked_stand_in(mask.seq_len_q, mask.seq_len_kv) for mask in masks)
     return masks
+
+
+def values_as_wide_as_keys(sdpa):
+    """The attention `sdpa` with values narrower than the keys (multi-head latent attention) padded to their size:
+    on fake CPU tensors SDPA's CPU kernels would fall back to the math path, which keeps the attention weights for
+    backward; CUDA's memory-efficient kernel keeps, like flash, only the output and the log-sum-exp."""
+    def attend(q, k, v, mask=None, spec=CAUSAL):
+        if v.shape[-1] >= q.shape[-1]:
+            return sdpa(q, k, v, mask, spec)
+        return sdpa(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])), mask, spec)[..., :v.shape[-1]]
+    return attend
 
 
 def balanced_dispatch(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -273,6 +285,9 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             )
         for _, layer in moe_layers(model):
             layer.dispatcher = balanced_dispatch
+        if target == "cuda" and cp == 1:
+            for _, layer in attention_layers(model):
+                layer.sdpa = values_as_wide_as_keys(layer.sdpa)
         apply_activation_checkpointing(model.transformer_blocks(), ac_mode, ac_option,
                                        ring_attention=cp > 1 and cp_method == "ring")
         model.train()

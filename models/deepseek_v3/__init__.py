@@ -1,0 +1,54 @@
+"""DeepSeek-V3: multi-head latent attention and a mixture of experts with shared experts and group-limited,
+bias-corrected sigmoid routing; its published sizes ("flavors"), how to parallelize it and its Hugging Face names.
+`__all__` below is this package's side of the model-package contract (docs/models.md)."""
+
+from dataclasses import replace
+
+from components.config import Config
+from models.deepseek_v3.config import ModelConfig
+from models.deepseek_v3.flavors import flavors
+from models.deepseek_v3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
+from models.deepseek_v3.model import ModelArgs, Transformer
+from models.deepseek_v3.parallelize import parallelize_deepseek_v3 as parallelize, tensor_parallel_plan
+from models.moe import moe_args_from_config
+
+HF_MODEL_TYPES = ("deepseek_v3",)
+"""The Hugging Face model_types whose folders this family reads when nothing else names the family
+(components/hf.py)."""
+
+# [model] keys that, when set, replace the flavor's value.
+OVERRIDABLE = ("dim", "n_layers", "n_heads", "ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
+               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_eps", "rope_theta", "rope_factor",
+               "vocab_size")
+
+
+def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
+    """The flavor's dimensions, with the [model] overrides, the tokenizer's vocabulary and the [moe] section's
+    settings applied, checked."""
+    if config.model.flavor not in flavors:
+        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
+    for key in OVERRIDABLE:
+        value = getattr(config.model, key)
+        if value is not None:
+            setattr(args, key, value)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
+                         f"than the tokenizer's vocabulary ({vocab_size})")
+    if args.qk_rope_head_dim % 2:
+        raise ValueError(f"model.qk_rope_head_dim {args.qk_rope_head_dim} must be even for RoPE")
+    if args.moe is not None:
+        args.moe = moe_args_from_config(args.moe, config.moe)
+    args.max_seq_len = config.training.seq_len
+    args.rope_per_document = config.model.rope_per_document
+    return args
+
+
+__all__ = [
+    # the model and its [model] keys
+    "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # parallelism
+    "parallelize", "tensor_parallel_plan",
+    # Hugging Face interop
+    "HF_MODEL_TYPES", "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+]

@@ -1,0 +1,128 @@
+"""How DeepSeek-V3 is parallelized, in Llama 3's order (models/llama3/parallelize.py explains it):
+float8 conversion -> tensor parallel (then expert parallel) -> context parallel -> activation
+checkpointing -> compile -> FSDP (the MoE layers' own units first).
+
+What differs from Qwen3: multi-head latent attention. Tensor parallelism splits the heads: the column-wise
+`wq_b` (or `wq`) and `wkv_b` give each rank its heads' queries, keys and values, the row-wise `wo` sums them.
+The low-rank projections before them and their norms (`wq_a`, `q_norm`, `wkv_a`, `kv_norm`) are small and every
+rank computes them whole on the gathered sequence (`ReplicateParallel`): their parameters are Replicate DTensors,
+and the column-wise layers sum the gradient reaching them over the ranks, as does the shared rotated key
+(models/deepseek_v3/model.py). They and the routers stay out of float8: they run on Replicate DTensors, which
+torchao's float8 layers take only through its tensor-parallel styles, and they are a small share of the FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+from components.config import DTYPES, Config, ConfigError
+from components.distributed import ParallelDims
+from components.layout_checks import uses_fsdp
+from components.moe_layer import MoELayer
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import compile_blocks
+from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
+from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
+from parallelisms.float8 import convert_to_float8
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.tensor_parallel import ReplicateParallel, apply_tensor_parallel, enable_async_tensor_parallel
+
+KEPT_IN_HIGH_PRECISION = ["router.gate", "attention.wq_a", "attention.wkv_a"]
+"""Out of float8: the routers (their logits choose the experts) and the latent projections (see above)."""
+
+
+def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
+    """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output) with multi-head latent
+    attention's: the heads split over the ranks, the latents computed whole on each. An MoE feed-forward routes
+    this rank's sequence shard through whole experts."""
+    if float8_comm:
+        # The blocks' all-gathers then move float8 rather than bf16 activations.
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel as Colwise,
+            Float8RowwiseParallel as Rowwise,
+            PrepareFloat8ModuleInput as PrepareInput,
+        )
+    else:
+        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    for name, block in model.layers.items():
+        attention = f"layers.{name}.attention"
+        queries = {f"{attention}.wq_a": ReplicateParallel(), f"{attention}.q_norm": ReplicateParallel(),
+                   f"{attention}.wq_b": Colwise()} if model.args.q_lora_rank else {f"{attention}.wq": Colwise()}
+        plan |= {
+            f"layers.{name}.attention_norm": SequenceParallel(),
+            attention: PrepareInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            **queries,
+            f"{attention}.wkv_a": ReplicateParallel(),
+            f"{attention}.kv_norm": ReplicateParallel(),
+            f"{attention}.wkv_b": Colwise(),
+            f"{attention}.wo": Rowwise(output_layouts=Shard(1)),
+            f"layers.{name}.ffn_norm": SequenceParallel(),
+        }
+        feed_forward = f"layers.{name}.feed_forward"
+        if isinstance(block.feed_forward, MoELayer):
+            plan[feed_forward] = moe_tensor_parallel_plan()
+        else:
+            plan |= {
+                feed_forward: PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{feed_forward}.w1": Colwise(),
+                f"{feed_forward}.w2": Rowwise(output_layouts=Shard(1)),
+                f"{feed_forward}.w3": Colwise(),
+            }
+    return plan
+
+
+def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config,
+                            device: torch.device) -> nn.Module:
+    fsdp = uses_fsdp(config, dims)
+    if config.float8.enable:
+        convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, *KEPT_IN_HIGH_PRECISION],
+                          device, config.float8.enable_fsdp_float8_all_gather and fsdp)
+    if dims.tp > 1:
+        if model.args.n_heads % dims.tp:
+            raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "
+                              f"({model.args.n_heads})")
+        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
+        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        if config.parallelism.enable_async_tensor_parallel:
+            enable_async_tensor_parallel(mesh["tp"])
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_mesh)
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh["cp"], config.training.seq_len, config.parallelism.context_parallel_method,
+                               heads_per_rank=model.args.n_heads // dims.tp,
+                               document_masking=config.training.document_masking)
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
+                                   config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
+                                   ring_attention=dims.cp > 1 and config.parallelism.context_parallel_method == "ring")
+    if config.compile.enable:
+        compile_blocks(model.layers, eager_attention=dims.cp > 1 and attention_runs_eagerly(
+            config.parallelism.context_parallel_method, config.training.document_masking))
+    param_dtype = DTYPES[config.training.mixed_precision_param]
+    reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+    # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.
+    shard_moe(model, dims, fsdp, param_dtype, reduce_dtype, config.parallelism.fsdp_reshard_after_forward,
+              config.parallelism.fsdp_cpu_offload)
+    if fsdp:
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh,
+            units=list(model.layers.values()),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            pipeline_parallel=dims.pp > 1,
+            cpu_offload=config.parallelism.fsdp_cpu_offload,
+        )
+    return model
