@@ -74,8 +74,7 @@ LAYOUTS = {  # name: (processes, arguments), data
     # block is recomputed (also its kernels, under selective checkpointing by op).
     "cp2_dp_shard2_ring_selective_op": (layout(cp=2, dp_shard=2, extra=[*RING, *SELECTIVE_OP]), "hf"),
     "cp2_tp2_alltoall_documents": (layout(cp=2, tp=2, extra=[*ALLTOALL]), "documents"),
-    "cp2_pp2_ring_documents": (layout(cp=2, pp=2, extra=[*RING]), "documents"),
-    "cp2_tp2_ring_documents": (layout(cp=2, tp=2, extra=[*RING]), "documents"),
+    "cp2_pp2_ring_documents": (layout(cp=2, pp=2, extra=[*RING]), "documents"),  # with TP: tests/test_deepseek_v3.py
     "pp2_cp2_documents": (layout(pp=2, cp=2, extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
                           "documents"),
     "cp4_alltoall": (layout(cp=4, extra=[*ALLTOALL]), "packed"),

@@ -98,19 +98,14 @@ class MoE:
     hidden_dim: int | None = None
     """One expert's feed-forward hidden size."""
     num_shared_experts: int | None = None
-    """Experts every token goes through besides its top_k (DeepSeek-V3's 1), as one feed-forward of this many
-    x hidden_dim; 0: none. This and the next two override the flavor's value when set."""
+    """Experts every token also goes through (DeepSeek-V3: 1); this and the next two override the flavor's."""
     n_groups: int | None = None
-    """Group-limited routing (DeepSeek-V3): the experts form this many groups, and a token's experts come from
-    its best topk_groups groups only; 1: no groups."""
+    """Group-limited routing (DeepSeek-V3): a token's experts come from its best topk_groups of n_groups."""
     topk_groups: int | None = None
-    """With n_groups: how many of its best groups a token's experts may come from."""
     bias_update_speed: float = 0.001
-    """Auxiliary-loss-free load balancing (DeepSeek-V3): after every optimizer step each expert's routing
-    bias moves by this much towards balance; 0 turns it off."""
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each expert's routing bias moves this much a step; 0: off."""
     aux_loss_coef: float = 0.0
-    """Weight of the auxiliary load-balancing loss added to the training loss (logged as moe_aux_loss
-    whatever its weight)."""
+    """Weight of the auxiliary balancing loss in the training loss (moe_aux_loss is logged whatever it is)."""
     aux_loss_type: str = "sequence"
     """sequence: balance measured within each sequence; global: over each micro-batch."""
     z_loss_coef: float = 0.0
@@ -465,12 +460,11 @@ CHOICES = {
 RANGES = {
     "job.max_restarts": NON_NEGATIVE,
     "moe.num_experts": COUNT, "moe.top_k": COUNT, "moe.hidden_dim": COUNT, "moe.num_shared_experts": NON_NEGATIVE,
-    "moe.n_groups": COUNT, "moe.topk_groups": COUNT, "moe.bias_update_speed": OFF_AT_0,
-    "moe.aux_loss_coef": NON_NEGATIVE, "moe.z_loss_coef": NON_NEGATIVE,
-    "optimizer.lr": NON_NEGATIVE, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
-    "optimizer.beta1": DECAY, "optimizer.beta2": DECAY, "optimizer.adamw_lr": NON_NEGATIVE,
-    "optimizer.adamw_weight_decay": NON_NEGATIVE, "optimizer.muon_momentum": DECAY, "optimizer.muon_ns_steps": COUNT,
-    "lr_scheduler.warmup_steps": NON_NEGATIVE, "lr_scheduler.decay_ratio": FRACTION,
+    "moe.n_groups": COUNT, "moe.topk_groups": COUNT, "moe.bias_update_speed": OFF_AT_0, "moe.z_loss_coef": NON_NEGATIVE,
+    "moe.aux_loss_coef": NON_NEGATIVE, "optimizer.lr": NON_NEGATIVE, "optimizer.eps": POSITIVE,
+    "optimizer.weight_decay": NON_NEGATIVE, "optimizer.beta1": DECAY, "optimizer.beta2": DECAY,
+    "optimizer.adamw_lr": NON_NEGATIVE, "optimizer.adamw_weight_decay": NON_NEGATIVE, "optimizer.muon_momentum": DECAY,
+    "optimizer.muon_ns_steps": COUNT, "lr_scheduler.warmup_steps": NON_NEGATIVE, "lr_scheduler.decay_ratio": FRACTION,
     "lr_scheduler.min_lr_factor": FRACTION,
     "training.steps": COUNT, "training.seq_len": COUNT, "training.local_batch_size": COUNT,
     "training.global_batch_size": Range(1, also=(-1,), note="-1: local x data-parallel degree"),
