@@ -165,6 +165,7 @@ class Attention(nn.Module):
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * args.v_head_dim, args.dim, bias=False)
+        self.softmax_scale_factor = args.softmax_scale_factor  # once, not at every forward
 
     def init_weights(self, out_std: float) -> None:
         projections = (self.wq_a, self.wq_b) if self.args.q_lora_rank else (self.wq,)
@@ -193,8 +194,8 @@ class Attention(nn.Module):
         k_nope, v = kv.split([args.qk_nope_head_dim, args.v_head_dim], dim=-1)
         k_rope = self.rotate(local_for_own_heads(k_rope).unsqueeze(2), rope)
         q = torch.cat([q_nope, self.rotate(q_rope, rope)], dim=-1)
-        if args.softmax_scale_factor != 1.0:
-            q = q * args.softmax_scale_factor
+        if self.softmax_scale_factor != 1.0:
+            q = q * self.softmax_scale_factor
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.sdpa(q, k, v, mask, self.attention_mask)
