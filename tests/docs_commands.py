@@ -18,13 +18,14 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 - any other command: exit status 0.
 
 Each runs with bash in a scratch copy of the repository (the files git sees: tracked, and untracked but not
-ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md
-run first, in order, in one copy; then each other document runs whole and in order in a fresh copy of that one,
-LANES documents at once (the machine's cores would otherwise idle through the commands' single-threaded
-start-up), the longest first. A command thus finds what README.md, getting_started.md and the earlier commands
-of its own document wrote, nothing else: what a reader who follows the README and then one document sees. A
-document's copy (checkpoints hard-linked: a gigabyte of them by then) is deleted when its commands all did as
-documented. What the runner changes, and why:
+ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md run
+first, in order, in one copy; then each other document runs whole and in order in a fresh copy of that one, LANES
+documents at once (the cores would otherwise idle through the commands' single-threaded start-up and their waits;
+the other pytest-xdist worker shares them), the longest first. A command thus finds what README.md,
+getting_started.md and the earlier commands of its own document wrote, nothing else: what a reader who follows the
+README and then one document sees. A document's copy (checkpoints hard-linked: a gigabyte of them by then) is
+deleted when its commands all did as documented.
+What the runner changes, and why:
 - The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
   command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
   is skipped.
@@ -88,7 +89,7 @@ TIMEOUT = 900  # seconds per command
 TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
-LANES = 2
+LANES = 3
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,6 @@ def method(name: str) -> list[str]:
 
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 LAYOUTS = {  # name: (processes, arguments), data
-    "dp_shard2_tp2": (layout(dp_shard=2, tp=2), "packed"),
     "hsdp_2x2_ep2": (layout(dp_replicate=2, dp_shard=2, ep=2), "hf"),
     "dp_shard2_tp2_ep2": (layout(dp_shard=2, tp=2, ep=2), "packed"),
     "pp2_dp_shard2_ep2_dualpipev": (layout(pp=2, dp_shard=2, ep=2, extra=schedule("DualPipeV")), "hf"),

@@ -99,14 +99,15 @@ def step_lines(log: Path) -> list[int]:
     return [int(line.split("step")[1].split()[0]) for line in log.read_text().splitlines() if "  loss  " in line]
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1_process_per_group", "2_processes_fsdp_per_group"])
-def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse, nproc):
-    """Group 1's launcher and workers are SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on
-    alone, saying so; group 1, relaunched, reads no checkpoint, takes group 0's state, and ends with its weights.
-    (Group 1 first joins group 0 the same way.) Group 0 is held back between its steps while group 1 starts, and
-    again while it starts again, so that group 0 cannot run far ahead or finish first on a busy machine."""
+def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse):
+    """Each group two processes, FSDP (groups of one process: the test above). Group 1's launcher and workers are
+    SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on alone, saying so; group 1, relaunched,
+    reads no checkpoint, takes group 0's state, and ends with its weights. (Group 1 first joins group 0 the same
+    way.) Group 0 is held back between its steps while group 1 starts, and again while it starts again, so that
+    group 0 cannot run far ahead or finish first on a busy machine."""
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
     dump, steps, pause, address = tmp_path / "ft", 30, tmp_path / "hold_group0", lighthouse(min_replicas=1)
+    nproc = 2
 
     def wait_for(condition, process):
         deadline = time.monotonic() + 300

@@ -56,11 +56,9 @@ PER_LAYER = ["--metrics.per_layer", "true"]
 
 LAYOUTS = {  # name: (processes, arguments), data
     "tp4": (layout(tp=4), "hf"),
-    "dp_shard2_tp2": (layout(dp_shard=2, tp=2), "packed"),
     "hsdp_2x2": (layout(dp_replicate=2, dp_shard=2), "hf"),
     "dp_shard4_never_reshard": (layout(dp_shard=4, extra=["--parallelism.fsdp_reshard_after_forward", "never"]),
                                 "packed"),
-    "pp2_dp_shard2": (layout(pp=2, dp_shard=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "1"]), "hf"),
     "pp2_dp_shard2_interleaved": (layout(pp=2, dp_shard=2,
                                          extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
                                   "packed"),

@@ -134,16 +134,15 @@ def test_collective_waits_are_timed_on_the_loop_thread_only_and_torch_is_restore
     assert (dist.Work.wait, funcol.wait_tensor) == originals
 
 
-# (processes, fault, extra arguments, the checkpoint the resume must start from)
+# (processes, fault, extra arguments, the checkpoint the resume must start from). A kill inside a step: the kills
+# from outside below, and the truncated checkpoint's test (kill-step:8).
 KILLS = {
-    "1proc-mid-step-5": (1, "kill-step:5", [], "step-3"),
     "1proc-async-write-6": (1, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
     "1proc-async-commit-9-keep1": (
         1, "kill-commit:9", ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "1"], "step-6"
     ),
     "1proc-sync-write-3": (1, "kill-write:3", [], None),
     "2proc-async-write-6": (2, "kill-write:6", ["--checkpoint.async_mode", "async"], "step-3"),
-    "2proc-mid-step-8": (2, "kill-step:8", [], "step-6"),
     "2proc-commit-6": (2, "kill-commit:6", [], "step-3"),
 }
 
