@@ -89,7 +89,7 @@ TIMEOUT = 900  # seconds per command
 TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
-LANES = 3
+LANES = 2
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Every command of README.md and docs/*.md runs as documented, in order, in scratch copies of the
 repository with its steps cut short; tests/docs_commands.py states the rules. The slowest test of the suite:
 the 100-odd commands that run took 24 CPU-minutes (20 min on an idle 2-core machine), most of it their processes'
-start-up, spread over three copies at once; its report (kept when it fails) gives each command's CPU seconds."""
+start-up, spread over two copies at once; its report (kept when it fails) gives each command's CPU seconds."""
 
 import subprocess
 

@@ -223,7 +223,7 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1):
     return dp * tp * pp, args
 
 
-LAYOUTS = {"tp2": layout(tp=2), "hsdp_2x2": layout(dp_replicate=2, dp_shard=2), "pp2": layout(pp=2),
+LAYOUTS = {"hsdp_2x2": layout(dp_replicate=2, dp_shard=2), "pp2": layout(pp=2),
            "dp_shard2_tp2": layout(dp_shard=2, tp=2)}
 
 

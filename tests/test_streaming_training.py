@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, ON_PACKED, REPO, TINY, losses, metric_lines, train_main
+from conftest import CORPUS, REPO, TINY, losses, metric_lines, train_main
 
 pytestmark = pytest.mark.slow
 
@@ -83,14 +83,12 @@ def test_a_run_resumed_at_step_8_matches_16_steps_straight_bitwise(repository, t
     assert losses(resumed) == losses(tmp_path / "straight")
 
 
-@pytest.mark.parametrize("data", [["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)], ON_PACKED],
-                         ids=["hf", "packed"])
-def test_a_run_moved_from_2_processes_to_1_and_then_to_4_trains_on_the_batches_of_one_run(data, tmp_path,
-                                                                                          train_in_process):
+def test_a_run_moved_from_2_processes_to_1_and_then_to_4_trains_on_the_batches_of_one_run(tmp_path, train_in_process):
     """Steps 1-4 on 2 processes, 5-8 on 1, 9-12 on 4 (each a resume of the last one's checkpoint): the token ids
-    of every global batch (data_hash) are those of a 12-step run on 1 process, and so are the losses."""
-    args = [*HF, *data, "--training.global_batch_size", "8", "--lr_scheduler.decay_type", "constant",
-            "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    of every global batch (data_hash) are those of a 12-step run on 1 process, and so are the losses. (The packed
+    loader's share moves with the same global position: tests/test_packed_training.py.)"""
+    args = [*HF, "--training.dataset", "hf", "--training.dataset_path", str(CORPUS), "--training.global_batch_size",
+            "8", "--lr_scheduler.decay_type", "constant", "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
     assert train_in_process([*args, "--training.local_batch_size", "8", "--training.steps", "12",
                              "--job.dump_folder", str(tmp_path / "straight")]) == 0
     moved = tmp_path / "moved"
