@@ -37,12 +37,13 @@ from components.garbage_collection import GarbageCollection
 from components.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
 from components.hf import load_hf_weights
 from components.hf_export import check_hf_form, export
-from components.in_loop import SourceTokens, ZLossFigure
+from components.in_loop import SourceTokens, loss_figures
 from components.launch import report_failure, run_worker
 from components.layer_metrics import LayerMetrics
 from components.layout_checks import check_model_supported, check_supported
-from components.loss import ZLoss, cross_entropy_loss
+from components.loss import MultiTokenLoss, ZLoss, cross_entropy_loss
 from components.metrics import MetricsLogger, peak_memory_gib, slow_step_warning
+from components.model_contract import multi_token_depths
 from components.model_on_rank import ModelOnRank, forward_backward, local, over_ranks, prepare_batch
 from components.model_package import import_model_package
 from components.optim import LRSchedule, Optimizers, clip_grad_norm
@@ -115,7 +116,7 @@ def train(config: Config, signals: StopSignals) -> int:
     # --- Split into pipeline stages, parallelize, then initialize -----------------------------
     model_parts, stage_ids, num_stages = place_model(whole_model, model_package, dims, mesh, config, device)
     model = model_on_rank(model_parts, stage_ids, num_stages, dims, mesh, config, device, plan.grad_accum_steps)
-    pipeline, z_loss = model.pipeline, model.loss_fn if isinstance(model.loss_fn, ZLoss) else None
+    pipeline = model.pipeline
     params_on_rank = sum(local(p).numel() for part in model_parts for p in part.parameters())
     logger.info(
         f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M "
@@ -156,7 +157,7 @@ def train(config: Config, signals: StopSignals) -> int:
     # What each step adds to its record (components/in_loop.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics, device)]
-    step_features += [ZLossFigure(z_loss, model)] if z_loss else []
+    step_features += loss_figures(model)
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
     step_features += [SourceTokens(dataloader, dp_group, device), ParamNorm(optimizers, model.pp_group)]
     step_features.append(data_hash := DataHash(dataloader, dp_group, device))
@@ -252,12 +253,15 @@ def place_model(whole_model: nn.Module, model_package, dims: ParallelDims, mesh:
 
 def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages: int, dims: ParallelDims,
                   mesh: DeviceMesh, config: Config, device: torch.device, grad_accum_steps: int) -> ModelOnRank:
-    """The parts with their loss (with z-loss: a ZLoss) and, under pipeline parallelism, the pipeline."""
+    """The parts with their loss (with z-loss: a ZLoss; with multi-token prediction: a MultiTokenLoss) and, under
+    pipeline parallelism, the pipeline."""
     # Read from this module's globals at this point, so that a test can swap the loss (test_reliability.py).
     compile_loss = config.compile.enable and dims.tp == 1
     loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
     if config.training.z_loss:
         loss_fn = ZLoss(config.training.z_loss, device, compile_loss)
+    if multi_token_depths(model_parts[0]):  # never under pipeline parallelism (components/layout_checks.py)
+        loss_fn = MultiTokenLoss(loss_fn, device)
     pipeline = None
     if dims.pp > 1:
         pipeline = build_pipeline(model_parts, stage_ids, num_stages, mesh["pp"], config, device, loss_fn,

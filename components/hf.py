@@ -46,6 +46,17 @@ def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
+def hf_weight_names(folder: str | Path) -> set[str]:
+    """The tensor names of an HF folder's .safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
 def model_name_of(folder: str | Path) -> str:
     """The ingot model package that reads the HF folder, by its config.json's model_type."""
     return model_package_for(read_hf_config(folder), folder)
@@ -110,4 +121,8 @@ def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleTyp
     or views of them (e.g. one expert of a stacked experts' tensor), so this fills the parameters."""
     check_hf_config(package, args, read_hf_config(path), path)
     hf_state = package.to_hf(ModelState(model_parts).state_dict(), args)  # only the keys this rank's parts hold
+    missing = sorted(set(hf_state) - hf_weight_names(path))
+    if missing:  # e.g. layers the config adds (multi-token prediction's) that the checkpoint does not have
+        raise ConfigError(f"the Hugging Face model in {path} lacks {len(missing)} weight(s) of this model, first "
+                          f"{missing[0]}: its config and the ingot config agree, but not its files")
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))

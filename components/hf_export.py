@@ -197,7 +197,8 @@ def write_weights(
     warn_of_routing_biases(checkpoint, stored)
     # The ingot tensors that have HF names (not a tied output, nor ingot-only state), in the model's order.
     exported = [name for name, tensor in expected.items() if package.to_hf({name: tensor}, args)]
-    nbytes = {name: stored[name][0].numel() * dtype.itemsize for name in exported}
+    nbytes = {name: sum(t.numel() for t in package.to_hf({name: expected[name]}, args).values()) * dtype.itemsize
+              for name in exported}  # an ingot tensor may have several HF names
     files = plan_files(exported, nbytes, max_bytes)
     weight_map = {}
     for i, names in enumerate(files, start=1):
@@ -234,8 +235,15 @@ def warn_of_routing_biases(checkpoint: Path, stored: dict[str, tuple[torch.Size,
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
+    # A tensor under two names (a family's copies, e.g. of the embedding in DeepSeek-V3's multi-token prediction
+    # layers) is written twice: safetensors refuses names that share memory.
+    written, seen = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        written[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
     # transformers refuses files whose metadata does not say "pt".
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    save_file(written, str(path), metadata={"format": "pt"})
     # safetensors writes through a private temporary file (mode 0600): give it a new file's usual mode.
     umask = os.umask(0)
     os.umask(umask)

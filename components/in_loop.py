@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from components.loss import ZLoss
+from components.loss import MultiTokenLoss, ZLoss
 from components.model_on_rank import ModelOnRank, over_ranks
 
 
@@ -27,15 +27,27 @@ class LoopFeature(Protocol):
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]: ...
 
 
-class ZLossFigure:
-    """z_loss: the z-loss of the step's micro-batches (training.z_loss), unweighted, averaged like the loss."""
+class LossFigure:
+    """A term the training loss keeps per micro-batch, logged unweighted and averaged like the loss: z_loss (ZLoss,
+    training.z_loss) and mtp_loss (MultiTokenLoss, a model's multi-token prediction)."""
 
-    def __init__(self, z_loss: ZLoss, model: ModelOnRank):
-        self.z_loss, self.model = z_loss, model
+    def __init__(self, name: str, term: ZLoss | MultiTokenLoss, model: ModelOnRank):
+        self.name, self.term, self.model = name, term, model
 
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
-        mean = self.z_loss.step_mean()  # every step: it also clears the step's values
-        return {"z_loss": over_ranks(self.model, mean).item()} if log else {}
+        mean = self.term.step_mean()  # every step: it also clears the step's values
+        return {self.name: over_ranks(self.model, mean).item()} if log else {}
+
+
+def loss_figures(model: ModelOnRank) -> list[LossFigure]:
+    """The figures of the loss's own terms: mtp_loss with multi-token prediction, z_loss with a z-loss."""
+    figures, loss_fn = [], model.loss_fn
+    if isinstance(loss_fn, MultiTokenLoss):
+        figures.append(LossFigure("mtp_loss", loss_fn, model))
+        loss_fn = loss_fn.loss_fn
+    if isinstance(loss_fn, ZLoss):
+        figures.append(LossFigure("z_loss", loss_fn, model))
+    return figures
 
 
 class SourceTokens:

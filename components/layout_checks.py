@@ -11,7 +11,7 @@ from torch import nn
 from components.config import Config, ConfigError
 from components.distributed import ParallelDims
 from components.fault_tolerance import check_replica_config
-from components.model_contract import check_model_contract
+from components.model_contract import check_model_contract, multi_token_depths
 from components.moe_layer import has_moe_layer
 
 
@@ -62,6 +62,12 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
         raise ConfigError(f"not available yet: moe.aux_loss_coef {config.moe.aux_loss_coef} with tensor or context "
                           f"parallelism (each rank would measure the balance of its part of every sequence); balance "
                           f"with moe.bias_update_speed instead")
+    depths = multi_token_depths(model)
+    if depths and (dims.pp > 1 or dims.cp > 1):
+        # A pipeline's stages would need the embedding and the output layer on the last stage too; a context-parallel
+        # rank would need the tokens of the next rank's share, whose embeddings the extra depths read.
+        raise ConfigError(f"not available yet: multi-token prediction ({depths} extra depths: model.num_mtp_layers) "
+                          f"with pipeline or context parallelism; set model.num_mtp_layers 0 for such a layout")
     if config.fault_tolerance.enable and has_moe_layer(model):  # each group's routing biases would drift apart
         raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
 

@@ -1,7 +1,10 @@
-"""The training loss, shared by train.py and the memory estimator, the optional z-loss added to it,
-and the log-likelihoods evaluation scores choices by."""
+"""The training loss, shared by train.py and the memory estimator, the optional z-loss added to it, the loss of
+multi-token prediction, and the log-likelihoods evaluation scores choices by."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,4 +80,49 @@ class ZLoss:
         """The mean z-loss of the micro-batches since the last call (0 where there were none)."""
         values, self.kept = self.kept + self.pending, []
         self.pending = []
+        return torch.stack(values).mean() if values else torch.zeros((), device=self.device)
+
+
+@dataclass
+class MultiTokenLogits:
+    """What a model with multi-token prediction returns while training (models/deepseek_v3: model.num_mtp_layers):
+    the next token's logits and, for each extra depth k = 1, 2, ..., logits (batch, seq, vocab) of the token k + 1
+    places after each position's input, whose last k positions predict nothing; `weight` scales their mean loss."""
+
+    logits: torch.Tensor
+    depths: list[torch.Tensor]
+    weight: float
+
+
+def multi_token_loss(depths: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """The mean over depths of each depth's cross-entropy on the positions that have a target: depth k's label at
+    position i is the label k places later, labels[i + k]."""
+    return torch.stack([cross_entropy_loss(logits[:, :-k], labels[:, k:])
+                        for k, logits in enumerate(depths, 1)]).mean()
+
+
+class MultiTokenLoss:
+    """The training loss of a model with multi-token prediction, called like cross_entropy_loss: `loss_fn` (the
+    cross-entropy, or a ZLoss) on the next token's logits, carrying the gradient of weight x the extra depths'
+    loss. Its value is the next-token loss's bit for bit (x - x is 0): logged losses and validation stay
+    comparable with runs without the extra depths. The extra loss of each micro-batch trained on is kept, as
+    ZLoss keeps the z-loss, for `step_mean`. An output other than a MultiTokenLogits (the model in eval mode:
+    validation, evaluation) goes to `loss_fn` as it is."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+        self.loss_fn, self.device = loss_fn, device
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor | MultiTokenLogits, labels: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, MultiTokenLogits):
+            return self.loss_fn(output, labels)
+        extra = multi_token_loss(output.depths, labels)
+        if torch.is_grad_enabled():
+            self.kept.append((extra.full_tensor() if isinstance(extra, DTensor) else extra).detach())
+        weighted = output.weight * extra
+        return self.loss_fn(output.logits, labels) + (weighted - weighted.detach())
+
+    def step_mean(self) -> torch.Tensor:
+        """The mean extra-depth loss of the micro-batches since the last call (0 where there were none)."""
+        values, self.kept = self.kept, []
         return torch.stack(values).mean() if values else torch.zeros((), device=self.device)

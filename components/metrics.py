@@ -236,6 +236,7 @@ class MetricsLogger:
                 + (f"  skipped {record['skipped_steps']}" if record.get("skipped_steps") else "")
                 + (f"  moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else "")
                 + (f"  z_loss {record['z_loss']:.4f}" if "z_loss" in record else "")
+                + (f"  mtp_loss {record['mtp_loss']:.4f}" if "mtp_loss" in record else "")
                 + (f"  rank step time {record['rank_step_time_min']:.3f}-{record['rank_step_time_max']:.3f}s "
                    f"(slowest rank {record['slowest_rank']})" if "slowest_rank" in record else "")
             )

@@ -55,6 +55,12 @@ class DecoderModel(Protocol):
         ...
 
 
+def multi_token_depths(model: nn.Module) -> int:
+    """How many extra tokens ahead the model learns to predict (`args.num_mtp_layers`, 0 when it declares none):
+    while training, its forward then returns a MultiTokenLogits (components/loss.py), which the loss takes apart."""
+    return getattr(model.args, "num_mtp_layers", 0)
+
+
 def blocks_name(model: DecoderModel) -> str:
     """The name of the model's child that holds its transformer blocks."""
     blocks = model.transformer_blocks()

@@ -21,14 +21,18 @@ class RoutingTally:
                  metrics: MetricsLogger | None = None, device: torch.device | str = "cpu"):
         self.layers = {int(index): moe for part in model_parts for index, block in part.transformer_blocks().items()
                        for _, moe in moe_layers(block)}
-        self.n_layers, self.metrics, self.device = n_layers, metrics, device
+        # MoE layers outside the blocks (multi-token prediction's) take the rows after the blocks', in model order.
+        in_blocks = {id(moe) for moe in self.layers.values()}
+        outside = [moe for part in model_parts for _, moe in moe_layers(part) if id(moe) not in in_blocks]
+        self.layers |= {n_layers + i: moe for i, moe in enumerate(outside)}
+        self.metrics, self.device = metrics, device
         # Of the whole model: a pipeline stage may hold no MoE layer (DeepSeek-V3's first blocks are dense), and
         # its rank must still join the tally's all-reduce. Agreed on once, here.
         whole = torch.tensor([max((m.num_experts for m in self.layers.values()), default=0),
-                              any(m.bias_update_speed > 0 for m in self.layers.values())], device=device)
+                              any(m.bias_update_speed > 0 for m in self.layers.values()), len(outside)], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(whole, op=dist.ReduceOp.MAX)
-        self.num_experts, self.update_bias = int(whole[0]), bool(whole[1])
+        self.num_experts, self.update_bias, self.rows = int(whole[0]), bool(whole[1]), n_layers + int(whole[2])
         for moe in self.layers.values():  # averaged over the step's micro-batches, like the training loss
             moe.aux_loss_scale = 1 / micro_batches_per_step
 
@@ -50,7 +54,7 @@ class RoutingTally:
                 moe.reset_tally()
             return {}, {}
         # Per layer: the experts' token counts, the auxiliary loss summed over forwards, the forwards.
-        tally = torch.zeros(self.n_layers, self.num_experts + 2, device=self.device)
+        tally = torch.zeros(self.rows, self.num_experts + 2, device=self.device)
         for index, moe in self.layers.items():
             tally[index, : moe.num_experts] = moe.tokens_per_expert
             tally[index, -2], tally[index, -1] = moe.aux_loss_sum, moe.forwards

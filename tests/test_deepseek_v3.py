@@ -196,21 +196,26 @@ def method(name: str) -> list[str]:
 SELECTIVE_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 LAYOUTS = {  # name: (processes, arguments), data
     "hsdp_2x2_ep2": (layout(dp_replicate=2, dp_shard=2, ep=2), "hf"),
-    "dp_shard2_tp2_ep2": (layout(dp_shard=2, tp=2, ep=2), "packed"),
+    "dp_shard2_tp2_ep2_mtp": (layout(dp_shard=2, tp=2, ep=2), "mtp"),
     "pp2_dp_shard2_ep2_dualpipev": (layout(pp=2, dp_shard=2, ep=2, extra=schedule("DualPipeV")), "hf"),
     "pp2_tp2_1f1b": (layout(pp=2, tp=2, extra=schedule("1F1B", 2)), "packed"),
+    # The other schedules, on 2 stages (the generic checks of each: tests/test_pipeline.py).
+    **{f"pp2_{name}": (layout(pp=2, extra=schedule(name, 2)), "packed")
+       for name in ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     "cp2_tp2_ring_documents": (layout(cp=2, tp=2, extra=method("ring")), "documents"),
     "cp2_allgather_documents_full_ac": (layout(cp=2, extra=["--activation_checkpoint.mode", "full"]), "documents"),
     "cp2_alltoall": (layout(cp=2, extra=method("alltoall")), "hf"),
-    "dp_shard2_ep2_compile_selective_op": (layout(dp_shard=2, ep=2, extra=["--compile.enable", "true",
-                                                                          *SELECTIVE_OP]), "packed"),
+    "dp_shard2_ep2_compile_selective_op_mtp": (layout(dp_shard=2, ep=2, extra=["--compile.enable", "true",
+                                                                              *SELECTIVE_OP]), "mtp"),
     "tp2_compile_selective_2": (layout(tp=2, extra=["--compile.enable", "true", "--activation_checkpoint.mode",
                                                      "selective"]), "hf"),
 }
 DATA = {"hf": ON_HF, "packed": [],
-        "documents": ["--training.document_masking", "true", "--model.rope_per_document", "true"]}
+        "documents": ["--training.document_masking", "true", "--model.rope_per_document", "true"],
+        "mtp": ["--model.num_mtp_layers", "1"]}
 """BASE reads the packed corpus; ON_HF, later on the command line, replaces it by the default config's data;
-documents: the packed corpus with attention and RoPE positions kept within each document."""
+documents: the packed corpus with attention and RoPE positions kept within each document; mtp: the packed corpus, a
+model with one depth of multi-token prediction."""
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +249,8 @@ def test_deepseek_v3_layout_matches_one_process(name, references, layout_runs):
         assert got[step]["loss"] == pytest.approx(reference["loss"], rel=1e-5), (name, step)
         assert got[step]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), (name, step)
         assert got[step]["moe_max_load"] == pytest.approx(reference["moe_max_load"], rel=1e-5), (name, step)
+        if "mtp" in name:
+            assert got[step]["mtp_loss"] == pytest.approx(reference["mtp_loss"], rel=1e-5), (name, step)
         if "tp" not in name and "cp" not in name:  # where each rank's experts see whole sequences
             assert got[step]["moe_aux_loss"] == pytest.approx(reference["moe_aux_loss"], rel=1e-4), (name, step)
 
@@ -278,3 +285,118 @@ def test_the_auxiliary_loss_under_tensor_parallelism_is_refused_in_one_line():
                                           r"parallelism \(each rank would measure the balance of its part of every "
                                           r"sequence\); balance with moe.bias_update_speed instead$"):
         check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
+
+
+MTP = ["--model.num_mtp_layers", "2"]
+
+
+def test_each_multi_token_depth_reads_the_tokens_up_to_k_ahead_and_the_rolled_tail_reaches_no_other_position():
+    """Depth k's output at position i, computed on the whole rolled sequence, equals the depths run on the sequence
+    cut to its first seq - k positions (the k-th next inputs and the previous depth's output there): the tail that
+    wraps around touches nothing before it. The next token's logits are the model's in eval mode."""
+    model = ingot_model([*SMALL, *MTP]).train()
+    tokens = token_ids()
+    final = []
+    model.norm.register_forward_hook(lambda module, args, out: final.append(out))
+    with torch.no_grad():
+        out = model(tokens)
+        assert torch.equal(out.logits, model.eval()(tokens)) and out.weight == 0.3
+        h, seq = final[0], tokens.shape[1]
+        for k, (depth, logits) in enumerate(zip(model.mtp.values(), out.depths), 1):
+            h = depth(h[:, :-1], model.tok_embeddings(tokens[:, k:]), model.rope[:seq - k])
+            assert report(f"depth {k}, whole sequence rolled vs cut", logits[:, :seq - k], model.output(h)) < 1e-6
+
+
+def test_the_multi_token_loss_trains_the_depths_and_keeps_the_logged_loss_the_next_token_s():
+    """Its value is the next-token cross-entropy bit for bit; its gradient that of cross-entropy + weight x the mean
+    of the depths' cross-entropies on the positions that have a label; step_mean gives that mean, once."""
+    from components.loss import MultiTokenLogits, MultiTokenLoss, cross_entropy_loss
+
+    torch.manual_seed(0)
+    logits, *depths = (torch.randn(2, 8, 11, requires_grad=True) for _ in range(3))
+    labels = torch.randint(0, 11, (2, 8))
+    loss_fn = MultiTokenLoss(cross_entropy_loss, torch.device("cpu"))
+    loss = loss_fn(MultiTokenLogits(logits, depths, 0.3), labels)
+    assert loss.item() == cross_entropy_loss(logits, labels).item()
+    extra = (cross_entropy_loss(depths[0][:, :-1], labels[:, 1:])
+             + cross_entropy_loss(depths[1][:, :-2], labels[:, 2:])) / 2
+    expected = cross_entropy_loss(logits, labels) + 0.3 * extra
+    got = torch.autograd.grad(loss, [logits, *depths])
+    for g, e in zip(got, torch.autograd.grad(expected, [logits, *depths])):
+        torch.testing.assert_close(g, e)
+    assert loss_fn.step_mean().item() == pytest.approx(extra.item()) and loss_fn.step_mean().item() == 0.0
+    assert loss_fn(logits, labels).item() == loss.item()  # an eval-mode output: the next-token loss alone
+
+
+def test_multi_token_prediction_adds_to_one_process_training_and_leaves_its_first_step(references):
+    """One depth: the first step's loss is that of the model without it (the depth is drawn after the rest), the
+    next ones differ (its gradient reaches the shared weights), and each step logs mtp_loss, near the initial loss."""
+    with_mtp, without = step_figures(references["mtp"]), step_figures(references["packed"])
+    assert with_mtp[1]["loss"] == without[1]["loss"] and with_mtp[2]["loss"] != without[2]["loss"]
+    assert all(8 < figures["mtp_loss"] < 10 for figures in with_mtp.values()), with_mtp
+    assert "mtp_loss" not in without[1]
+
+
+def test_multi_token_prediction_is_refused_with_pipeline_and_context_parallelism():
+    from components.config import ConfigError
+    from components.distributed import ParallelDims
+    from components.layout_checks import check_model_supported
+
+    for key in ("pipeline_parallel_degree", "context_parallel_degree"):
+        config = load_config([*SMALL, *MTP, f"--parallelism.{key}", "2"])
+        with torch.device("meta"):
+            model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, VOCAB))
+        with pytest.raises(ConfigError, match=r"^not available yet: multi-token prediction \(2 extra depths: "
+                                              r"model.num_mtp_layers\) with pipeline or context parallelism; set "
+                                              r"model.num_mtp_layers 0 for such a layout$"):
+            check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
+
+
+def test_the_routing_tally_moves_the_biases_of_the_depths_experts_too():
+    from components.routing import RoutingTally
+
+    model = ingot_model([*SMALL, *MTP]).train()
+    tally = RoutingTally([model], model.args.n_layers, micro_batches_per_step=1)
+    model(token_ids())
+    figures, load = tally.end_step(torch.tensor(False), metrics=True)
+    moes = [depth.block.feed_forward for depth in model.mtp.values()]
+    assert sorted(load) == [1, 2, 3, 4] and all(moe.expert_bias.abs().sum() > 0 for moe in moes)
+    assert all(moe.tokens_per_expert.sum() == 0 for moe in moes)  # the tally took them
+
+
+def test_the_depths_export_under_the_layers_after_the_model_s_and_round_trip(tmp_path):
+    """As DeepSeek publishes them: layer n_layers + k with enorm, hnorm, eh_proj, shared_head.norm, a block and the
+    copies of the embedding and output layer; transformers loads the export (without running them) to the same
+    logits; read back into a model with the depths, the weights are the same, a model without them skips them, and
+    one with more depths than the files hold is refused at load in one line."""
+    from components.hf_export import save_safetensors
+
+    model = ingot_model([*SMALL, *MTP])
+    torch.manual_seed(1)
+    randomize(model)
+    state = model.state_dict()
+    hf = deepseek_v3.to_hf(state, model.args)
+    n = model.args.n_layers
+    assert {f"model.layers.{n + 1}.{name}" for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                         "shared_head.norm.weight", "embed_tokens.weight",
+                                                         "shared_head.head.weight", "mlp.experts.7.up_proj.weight",
+                                                         "mlp.gate.e_score_correction_bias")} <= hf.keys()
+    back = deepseek_v3.from_hf(hf, model.args)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    without = deepseek_v3.from_hf(hf, deepseek_v3.build_model_args(load_config(SMALL), VOCAB))
+    assert not any(k.startswith("mtp.") for k in without) and without.keys() < state.keys()
+
+    config = deepseek_v3.hf_config(model.args, bos_id=1, eos_id=2)
+    assert config["num_nextn_predict_layers"] == 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_safetensors(hf, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        assert report("ingot DeepSeek-V3 with MTP -> HF", model.eval()(token_ids()),
+                      transformers_logits(tmp_path, token_ids())) < 1e-5
+    from components.config import ConfigError
+    from components.hf import load_hf_weights
+
+    deeper = ingot_model([*SMALL, "--model.num_mtp_layers", "3"])  # its third depth is not in the files
+    with pytest.raises(ConfigError, match=rf"^the Hugging Face model in {tmp_path} lacks \d+ weight\(s\) of this "
+                                          rf"model, first model.layers.{n + 2}\."):
+        load_hf_weights(tmp_path, [deeper], deepseek_v3, deeper.args)

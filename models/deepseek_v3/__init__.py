@@ -41,6 +41,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
         args.moe = moe_args_from_config(args.moe, config.moe)
     args.max_seq_len = config.training.seq_len
     args.rope_per_document = config.model.rope_per_document
+    args.num_mtp_layers, args.mtp_loss_weight = config.model.num_mtp_layers, config.model.mtp_loss_weight
     return args
 
 

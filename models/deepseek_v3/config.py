@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from components.config import COUNT, POSITIVE, Model, Range
+from components.config import COUNT, NON_NEGATIVE, OFF_AT_0, POSITIVE, Model, Range
 
 
 @dataclass
@@ -37,10 +37,15 @@ class ModelConfig(Model):
     """Defaults to the tokenizer's vocabulary; may be set larger."""
     rope_per_document: bool = False
     """With training.document_masking: RoPE positions restart at 0 at each document."""
+    num_mtp_layers: int = 0
+    """Multi-token prediction: extra depths trained to predict 2, 3... tokens ahead, each one block (the published
+    671B has 1); their loss is logged as mtp_loss."""
+    mtp_loss_weight: float = 0.3
+    """What multiplies the extra depths' mean loss in the training loss (DeepSeek-V3: 0.3, later 0.1)."""
 
     ranges: typing.ClassVar[dict[str, Range]] = {
         "n_layers": COUNT, "dim": COUNT, "n_heads": COUNT, "ffn_dim": COUNT, "first_dense_layers": Range(0),
         "q_lora_rank": Range(0), "kv_lora_rank": COUNT, "qk_nope_head_dim": Range(0), "qk_rope_head_dim": COUNT,
         "v_head_dim": COUNT, "norm_eps": POSITIVE, "rope_theta": POSITIVE, "rope_factor": Range(1),
-        "vocab_size": COUNT,
+        "vocab_size": COUNT, "num_mtp_layers": OFF_AT_0, "mtp_loss_weight": NON_NEGATIVE,
     }

@@ -4,8 +4,10 @@ and ModelArgs <-> the fields of its config.json (model_type deepseek_v3).
 Weights are only renamed: the model applies RoPE in the layout the config states (`rope_interleave`), the routing
 bias is `mlp.gate.e_score_correction_bias`, and the routed experts are one tensor per expert in HF files
 (models/hf_experts.py). DeepseekV3ForCausalLM always routes by sigmoid over groups with the correction bias: a
-softmax-routed model (the 16B flavor, DeepSeek-V2-Lite's routing) has no such form and its export is refused. The
-multi-token-prediction layers of published checkpoints (`model.layers.61` of the 671B) are not read.
+softmax-routed model (the 16B flavor, DeepSeek-V2-Lite's routing) has no such form and its export is refused.
+Multi-token prediction's depths are HF's layers past num_hidden_layers (`model.layers.61` of the 671B), as
+DeepSeek publishes them; transformers does not run them. They are read into a model with model.num_mtp_layers,
+otherwise left out.
 """
 
 from __future__ import annotations
@@ -79,51 +81,79 @@ HF_CONFIG_KEYS = {
 set it: an HF checkpoint loads into an ingot config only if all of them agree."""
 
 
-def hf_name(name: str) -> str:
-    """The HF name of an ingot parameter or buffer other than the routed experts'."""
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight"}
+"""A multi-token prediction depth's own weights; its block's are a block's, all under model.layers.{n_layers + k}."""
+_FROM_HF_MTP = {hf: ours for ours, hf in _MTP.items()}
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+"""What a depth shares with the model, which DeepSeek's checkpoints also hold under each MTP layer (export only)."""
+
+
+def hf_name(name: str, n_layers: int) -> str:
+    """The HF name of an ingot parameter or buffer other than the routed experts'; a multi-token prediction depth k
+    is HF's layer n_layers + k."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match and match[2] in _IN_BLOCK:
         return f"model.layers.{match[1]}.{_IN_BLOCK[match[2]]}"
+    match = re.fullmatch(r"mtp\.(\d+)\.(block\.)?(.+)", name)
+    if match and (_IN_BLOCK if match[2] else _MTP).get(match[3]):
+        return f"model.layers.{n_layers + int(match[1])}.{(_IN_BLOCK if match[2] else _MTP)[match[3]]}"
     raise KeyError(f"{name} has no Hugging Face DeepSeek-V3 name")
 
 
-def ingot_name(name: str) -> str:
+def ingot_name(name: str, n_layers: int) -> str:
     """The ingot name of an HF DeepSeek-V3 tensor other than the routed experts' (the inverse of hf_name)."""
     if name in _FROM_HF_TOP_LEVEL:
         return _FROM_HF_TOP_LEVEL[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _FROM_HF_IN_BLOCK:
+    if match and int(match[1]) < n_layers and match[2] in _FROM_HF_IN_BLOCK:
         return f"layers.{match[1]}.{_FROM_HF_IN_BLOCK[match[2]]}"
+    if match and match[2] in _FROM_HF_IN_BLOCK:
+        return f"mtp.{int(match[1]) - n_layers}.block.{_FROM_HF_IN_BLOCK[match[2]]}"
+    if match and match[2] in _FROM_HF_MTP:
+        return f"mtp.{int(match[1]) - n_layers}.{_FROM_HF_MTP[match[2]]}"
     raise KeyError(f"{name} is not a DeepSeek-V3 weight ingot knows")
+
+
+def _block_index(name: str, n_layers: int) -> str:
+    """ingot's prefix of HF block `name` (a string index): layers.i, or a multi-token prediction depth's block."""
+    return f"layers.{name}" if int(name) < n_layers else f"mtp.{int(name) - n_layers}.block"
 
 
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An ingot (full or partial, e.g. one pipeline stage's) state dict under HF names; the routed experts as
-    per-expert views."""
+    per-expert views; each multi-token prediction depth with the copies of the embedding and output layer that
+    DeepSeek's checkpoints hold."""
     hf = {}
     for name, tensor in state_dict.items():
-        experts = re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])", name)
+        experts = re.fullmatch(r"(layers\.(\d+)|mtp\.(\d+)\.block)\.feed_forward\.experts\.(w[123])", name)
         if experts:
-            hf |= experts_to_hf(experts[1], experts[2], tensor)
+            block = int(experts[2]) if experts[2] is not None else args.n_layers + int(experts[3])
+            hf |= experts_to_hf(block, experts[4], tensor)
         elif not (args.tie_embeddings and name == "output.weight"):
-            hf[hf_name(name)] = tensor
+            hf[hf_name(name, args.n_layers)] = tensor
+        if name in _MTP_COPIES:
+            hf |= {f"model.layers.{args.n_layers + k}.{_MTP_COPIES[name]}": tensor for k in range(args.num_mtp_layers)}
     return hf
 
 
 def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An HF state dict (experts one per tensor, or fused as transformers holds them) under ingot names; the
-    blocks past n_layers (multi-token prediction) are left out."""
+    layers past n_layers are the multi-token prediction depths, left out past the model's num_mtp_layers (all of
+    them by default), and their copies of the embedding and output layer are not read."""
     rest, experts = experts_from_hf(state_dict)
-    renamed = {f"layers.{block}.feed_forward.experts.{projection}": tensor
-               for (block, projection), tensor in experts.items()}
+    blocks = args.n_layers + args.num_mtp_layers
+    renamed = {f"{_block_index(block, args.n_layers)}.feed_forward.experts.{projection}": tensor
+               for (block, projection), tensor in experts.items() if int(block) < blocks}
     for name, tensor in rest.items():
-        block = re.match(r"model\.layers\.(\d+)\.", name)
-        if name.endswith("rotary_emb.inv_freq") or (block and int(block[1]) >= args.n_layers) or \
+        block = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+        if name.endswith("rotary_emb.inv_freq") or (block and (int(block[1]) >= blocks or (
+                int(block[1]) >= args.n_layers and block[2] in _MTP_COPIES.values()))) or \
                 (args.tie_embeddings and name == "lm_head.weight"):
             continue
-        renamed[ingot_name(name)] = tensor
+        renamed[ingot_name(name, args.n_layers)] = tensor
     if args.tie_embeddings and "tok_embeddings.weight" in renamed:
         renamed["output.weight"] = renamed["tok_embeddings.weight"]
     return renamed
@@ -183,7 +213,7 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "routed_scaling_factor": moe.route_scale,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.num_mtp_layers,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,

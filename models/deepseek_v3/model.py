@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from components.data.documents import document_positions
+from components.loss import MultiTokenLogits
 from models.activations import activation
 from models.moe import MoE, MoEArgs
 from parallelisms.tensor_parallel import local_for_own_heads
@@ -73,6 +74,11 @@ class ModelArgs:
     total number of layers."""
     rope_per_document: bool = False
     """When the forward is given document_ids: RoPE positions restart at 0 at each document."""
+    num_mtp_layers: int = 0
+    """Multi-token prediction: extra depths, each a block predicting one token further ahead (`MultiTokenPrediction`);
+    0: none."""
+    mtp_loss_weight: float = 0.3
+    """What multiplies the mean loss of the extra depths in the training loss (DeepSeek-V3's lambda)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -97,14 +103,17 @@ class ModelArgs:
         kv = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim)
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         attention = q + kv + heads * self.v_head_dim * self.dim
-        weights = self.n_layers * attention + self.dim * self.vocab_size
-        for layer in range(self.n_layers):
+        blocks = self.n_layers + self.num_mtp_layers
+        # Each extra depth: a block, its projection of two hidden states into one and another pass through the output.
+        weights = blocks * attention + self.dim * self.vocab_size * (1 + self.num_mtp_layers)
+        weights += self.num_mtp_layers * 2 * self.dim * self.dim
+        for layer in range(blocks):
             if self.is_moe_layer(layer):
                 active = self.moe.top_k + self.moe.num_shared_experts
                 weights += self.dim * self.moe.num_experts + 3 * self.dim * self.moe.hidden_dim * active
             else:
                 weights += 3 * self.dim * self.ffn_dim
-        return 6 * weights + 6 * self.n_layers * heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        return 6 * weights + 6 * blocks * heads * (self.qk_head_dim + self.v_head_dim) * seq_len
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -247,9 +256,41 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class MultiTokenPrediction(nn.Module):
+    """One extra depth of multi-token prediction (DeepSeek-V3's MTP module). At each position it joins the previous
+    depth's output `h` (at depth 1 the model's final hidden states) and the embedding of the input token k places
+    ahead, `eh_proj([enorm(embedding); hnorm(h)])`, runs a block on that and normalizes: what the model's output
+    layer turns into logits of the token k + 1 places ahead, and the next depth's `h`."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = TransformerBlock(layer_id, args)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def init_weights(self) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.reset_parameters()
+        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
+        self.block.init_weights()
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        return self.norm(self.block(x, rope, mask=mask))
+
+
 class Transformer(nn.Module):
     """Token ids (batch, seq) in, logits (batch, seq, vocab) out; the same structure, attributes and
-    document masking as models.llama3.model.Transformer (whose docstring explains them)."""
+    document masking as models.llama3.model.Transformer (whose docstring explains them).
+
+    With num_mtp_layers, a training forward also runs the extra depths (`mtp`, after the final norm) and returns
+    a MultiTokenLogits (components/loss.py): each depth's input tokens are the inputs rolled k places left, whose
+    last k positions wrap around; causal attention keeps them from the positions before, and the loss leaves their
+    predictions out. The depths share the embedding and the output layer with the model. An eval-mode forward
+    (validation, evaluation, generation) returns the next token's logits alone."""
 
     pipeline_ends = (("tok_embeddings",), ("norm", "output"))
     """The modules before and after the blocks (components/model_contract.py)."""
@@ -261,6 +302,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_frequencies(args), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args)
+                                  for k in range(args.num_mtp_layers)})
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -286,14 +329,18 @@ class Transformer(nn.Module):
         if self.output is not None and not self.args.tie_embeddings:
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+        for depth in self.mtp.values():  # last: the rest starts as it does without them
+            depth.init_weights()
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor | MultiTokenLogits:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions = None if self.local_positions is None else self.local_positions(document_ids)
         rope = self.rope if positions is None else self.rope[positions]
         masks = {}
         if document_ids is not None:  # of the whole sequence, also under context parallelism
-            declared = {block.attention.attention_mask for block in self.layers.values()}
+            blocks = (*self.layers.values(), *(depth.block for depth in self.mtp.values()))
+            declared = {block.attention.attention_mask for block in blocks}
             masks = {spec: self.document_mask(document_ids, spec) for spec in declared}
             if self.args.rope_per_document:
                 within = document_positions(document_ids)
@@ -302,4 +349,14 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             h = block(h, rope, mask=masks.get(block.attention.attention_mask))
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if not (self.training and self.mtp):
+            return logits
+        depths = []
+        for k, depth in enumerate(self.mtp.values(), 1):
+            h = depth(h, self.tok_embeddings(tokens.roll(-k, dims=1)), rope,
+                      mask=masks.get(depth.block.attention.attention_mask))
+            depths.append(self.output(h))
+        return MultiTokenLogits(logits, depths, self.args.mtp_loss_weight)

@@ -9,6 +9,10 @@ rank computes them whole on the gathered sequence (`ReplicateParallel`): their p
 and the column-wise layers sum the gradient reaching them over the ranks, as does the shared rotated key
 (models/deepseek_v3/model.py). They and the routers stay out of float8: they run on Replicate DTensors, which
 torchao's float8 layers take only through its tensor-parallel styles, and they are a small share of the FLOPs.
+
+The depths of multi-token prediction (`mtp`, model.num_mtp_layers) are parallelized as blocks: their blocks take
+the blocks' plan, their norms and the projection joining two hidden states work per token on the sequence shards;
+activation checkpointing, compile and FSDP take each depth whole as they take a block.
 """
 
 from __future__ import annotations
@@ -55,21 +59,26 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-    for name, block in model.layers.items():
-        attention = f"layers.{name}.attention"
+    blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    for name, depth in model.mtp.items():  # multi-token prediction: per token, on the sequence shards
+        blocks[f"mtp.{name}.block"] = depth.block
+        plan |= {f"mtp.{name}.{norm}": SequenceParallel() for norm in ("enorm", "hnorm", "norm")}
+        plan[f"mtp.{name}.eh_proj"] = SequenceParallel(use_local_output=True)  # into the block's residual stream
+    for prefix, block in blocks.items():
+        attention = f"{prefix}.attention"
         queries = {f"{attention}.wq_a": ReplicateParallel(), f"{attention}.q_norm": ReplicateParallel(),
                    f"{attention}.wq_b": Colwise()} if model.args.q_lora_rank else {f"{attention}.wq": Colwise()}
         plan |= {
-            f"layers.{name}.attention_norm": SequenceParallel(),
+            f"{prefix}.attention_norm": SequenceParallel(),
             attention: PrepareInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             **queries,
             f"{attention}.wkv_a": ReplicateParallel(),
             f"{attention}.kv_norm": ReplicateParallel(),
             f"{attention}.wkv_b": Colwise(),
             f"{attention}.wo": Rowwise(output_layouts=Shard(1)),
-            f"layers.{name}.ffn_norm": SequenceParallel(),
+            f"{prefix}.ffn_norm": SequenceParallel(),
         }
-        feed_forward = f"layers.{name}.feed_forward"
+        feed_forward = f"{prefix}.feed_forward"
         if isinstance(block.feed_forward, MoELayer):
             plan[feed_forward] = moe_tensor_parallel_plan()
         else:
@@ -103,12 +112,14 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
         apply_context_parallel(model, mesh["cp"], config.training.seq_len, config.parallelism.context_parallel_method,
                                heads_per_rank=model.args.n_heads // dims.tp,
                                document_masking=config.training.document_masking)
-    apply_activation_checkpointing(model.layers, config.activation_checkpoint.mode,
-                                   config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
-                                   ring_attention=dims.cp > 1 and config.parallelism.context_parallel_method == "ring")
-    if config.compile.enable:
-        compile_blocks(model.layers, eager_attention=dims.cp > 1 and attention_runs_eagerly(
-            config.parallelism.context_parallel_method, config.training.document_masking))
+    method = config.parallelism.context_parallel_method
+    for blocks in (model.layers, model.mtp):  # the multi-token prediction depths as blocks
+        apply_activation_checkpointing(blocks, config.activation_checkpoint.mode,
+                                       config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
+                                       ring_attention=dims.cp > 1 and method == "ring")
+        if config.compile.enable:
+            compile_blocks(blocks, eager_attention=dims.cp > 1 and attention_runs_eagerly(
+                method, config.training.document_masking))
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.
@@ -118,7 +129,7 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
         apply_fsdp(
             model,
             dims.fsdp_mesh,
-            units=list(model.layers.values()),
+            units=[*model.layers.values(), *model.mtp.values()],
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from components.attention import CAUSAL, attention_layers
-from components.loss import cross_entropy_loss
+from components.loss import MultiTokenLoss, cross_entropy_loss
 from components.moe_layer import moe_layers
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import (
@@ -325,7 +325,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             documents = torch.zeros(batch, seq * cp, dtype=torch.long) if document_masking else None
             if last:
                 labels = torch.zeros(batch, seq, dtype=torch.long)
-                out = cross_entropy_loss(model(inputs, documents), labels)
+                out = MultiTokenLoss(cross_entropy_loss, torch.device("cpu"))(model(inputs, documents), labels)
             else:
                 out = model(inputs, documents)
             saved = tracker.other  # with a stage's output, which the pipeline keeps for its backward
