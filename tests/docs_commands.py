@@ -38,8 +38,8 @@ What the runner changes, and why:
   of 2 steps; coord_check 2 steps; the CP attention benchmark 512 tokens at degrees 1 and 2. In the scratch
   copy, the sweep files (train_configs/sweeps/) keep the first value of each grid key and their first
   [[runs]], of 1 step each (tests/test_sweep.py runs the rest of what a sweep does); the ladder files
-  (train_configs/ladders/) keep their first 2 rungs and the held-out ones (a fit needs 2 runs), their first 2
-  token budgets, a 32nd of each, with 2 warm-up steps and no bootstrap (losses this close to the initial ones
+  (train_configs/ladders/) keep their first 2 rungs and the held-out ones (a fit needs 2 runs), their first
+  token budget, a 32nd of each, with 2 warm-up steps and no bootstrap (losses this close to the initial ones
   give the resamples nothing to fit); both validate on 2 batches.
   Each command still starts its processes as documented: that, not the steps, is most of its time.
 - A checkpoint `DIR/checkpoint/step-N` that a command names but the cut-short runs did not write stands
@@ -270,7 +270,7 @@ def copy_repository(repo: Path, scratch: Path) -> None:
             data["rungs"] = [rung for i, rung in enumerate(data["rungs"]) if i < 2 or rung.get("name") in held_out]
         for table in (data, *data.get("rungs", [])):
             if "tokens" in table:
-                table["tokens"] = [int(tokens) // 32 for tokens in table["tokens"][:2]]
+                table["tokens"] = [int(tokens) // 32 for tokens in table["tokens"][:1]]
         ladder.write_text(to_toml(data))
 
 

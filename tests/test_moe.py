@@ -3,7 +3,6 @@ losses and bias, and expert parallelism on 2 and 4 gloo processes matching one p
 and gradients, fp32)."""
 
 import gc
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,7 +129,9 @@ def test_the_bias_update_moves_towards_balance_and_skipped_steps_leave_it():
     moe = tiny_moe(bias_update_speed=0.01)
     blocks = torch.nn.ModuleDict({"0": torch.nn.Module()})
     blocks["0"].feed_forward = moe
-    tally = RoutingTally([SimpleNamespace(transformer_blocks=lambda: blocks)], n_layers=1, micro_batches_per_step=1)
+    part = torch.nn.Module()  # a model part: its blocks, as the model contract declares them
+    part.layers, part.transformer_blocks = blocks, lambda: blocks
+    tally = RoutingTally([part], n_layers=1, micro_batches_per_step=1)
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 2, 2, 2, 2, 2, 4]))
     figures, load = tally.end_step(torch.tensor(False), metrics=True)
     assert moe.expert_bias[0] < 0 < moe.expert_bias[1]  # the busiest expert gets less, the idle one more

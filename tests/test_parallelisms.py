@@ -64,9 +64,8 @@ LAYOUTS = {  # name: (processes, arguments), data
                                          extra=["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
                                   "packed"),
     "pp2_tp2": (layout(pp=2, tp=2, extra=["--parallelism.pipeline_parallel_microbatch_size", "2"]), "packed"),
-    # allgather's bottom-right causal masks (made outside the graph) inside compiled blocks (FSDP with compiled
-    # blocks: the renamed fork's layout below; each rank compiles alone, so 2 ranks cost half of 4).
-    "cp2_compile": (layout(cp=2, extra=[*COMPILE]), "hf"),
+    # (allgather's masks inside compiled blocks: tests/test_context_parallel.py, the zigzag and sliding-window
+    # checks; each rank compiles alone, so a compiled layout costs its ranks' worth of compiles.)
     "cp2_tp2_documents": (layout(cp=2, tp=2), "documents"),
     # The other context-parallel methods (parallelisms/context_parallel.py) with each parallelism, CP 2 and 4;
     # the ring's sends stay out of compiled blocks (refused with compiled checkpointed ones) and run again when a
@@ -90,10 +89,9 @@ LAYOUTS = {  # name: (processes, arguments), data
     # (parallelisms/tensor_parallel.py): TorchTitan's default layout, selective AC every 2nd block, on Llama 3 with
     # its modules renamed (`blocks`, `embed`) and declared through the model contract
     # (conftest.fork_with_renamed_modules), which every parallelism and the per-layer metrics find; and selective AC
-    # by op. Recomputing whole compiled blocks (on CPU keeping attention's outputs,
-    # parallelisms/activation_checkpoint.py): cp2_compile_full_ac_documents above and
+    # by op on compiled blocks: tests/test_deepseek_v3.py. Recomputing whole compiled blocks (on CPU keeping
+    # attention's outputs, parallelisms/activation_checkpoint.py): cp2_compile_full_ac_documents above and
     # test_compiled_tensor_parallel_blocks_that_recompute_attention_keep_its_outputs_on_cpu.
-    "tp2_compile_selective_op": (layout(tp=2, extra=[*COMPILE, *SELECTIVE_OP]), "hf"),
     "renamed_fork_dp_shard2_tp2_compile_selective_2": (layout(dp_shard=2, tp=2, extra=[
         *COMPILE, "--activation_checkpoint.mode", "selective", *RENAMED_FORK, *NO_VALIDATION]), "packed"),
     "renamed_fork_pp2_cp2_documents_per_layer": (layout(pp=2, cp=2, extra=[*RENAMED_FORK, *PER_LAYER]), "documents"),
