@@ -272,19 +272,25 @@ def test_float8_converts_the_head_projections_and_keeps_the_latent_ones_and_the_
             kinds["layers.1.feed_forward.router.gate"], kinds["output"]} == {"Linear"}
 
 
-def test_the_auxiliary_loss_under_tensor_parallelism_is_refused_in_one_line():
-    """Each rank's experts see part of every sequence there: the loss would measure the balance of the parts."""
-    from components.config import ConfigError
+def check_layout(argv: list[str]) -> None:
+    """The start-up check of the model of `argv` (built on the meta device) for its layout on 2 ranks."""
     from components.distributed import ParallelDims
     from components.layout_checks import check_model_supported
 
-    config = load_config([*SMALL, "--moe.aux_loss_coef", "0.001", "--parallelism.tensor_parallel_degree", "2"])
+    config = load_config(argv)
     with torch.device("meta"):
         model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, VOCAB))
+    check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
+
+
+def test_the_auxiliary_loss_under_tensor_parallelism_is_refused_in_one_line():
+    """Each rank's experts see part of every sequence there: the loss would measure the balance of the parts."""
+    from components.config import ConfigError
+
     with pytest.raises(ConfigError, match=r"^not available yet: moe.aux_loss_coef 0.001 with tensor or context "
                                           r"parallelism \(each rank would measure the balance of its part of every "
                                           r"sequence\); balance with moe.bias_update_speed instead$"):
-        check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
+        check_layout([*SMALL, "--moe.aux_loss_coef", "0.001", "--parallelism.tensor_parallel_degree", "2"])
 
 
 MTP = ["--model.num_mtp_layers", "2"]
@@ -339,17 +345,12 @@ def test_multi_token_prediction_adds_to_one_process_training_and_leaves_its_firs
 
 def test_multi_token_prediction_is_refused_with_pipeline_and_context_parallelism():
     from components.config import ConfigError
-    from components.distributed import ParallelDims
-    from components.layout_checks import check_model_supported
 
     for key in ("pipeline_parallel_degree", "context_parallel_degree"):
-        config = load_config([*SMALL, *MTP, f"--parallelism.{key}", "2"])
-        with torch.device("meta"):
-            model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, VOCAB))
         with pytest.raises(ConfigError, match=r"^not available yet: multi-token prediction \(2 extra depths: "
                                               r"model.num_mtp_layers\) with pipeline or context parallelism; set "
                                               r"model.num_mtp_layers 0 for such a layout$"):
-            check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
+            check_layout([*SMALL, *MTP, f"--parallelism.{key}", "2"])
 
 
 def test_the_routing_tally_moves_the_biases_of_the_depths_experts_too():
