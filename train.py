@@ -9,6 +9,7 @@ checkpointer, the profiler and the stop on a signal (components/stopping.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import warnings
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             release_dump_folders()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Free the run's process groups now, in the process whose gloo threads their destructors join: left to
+            # a later collection, a caller that goes on and forks (a DataLoader's workers) can free them in the
+            # child, where those threads do not exist, and the child waits forever.
+            gc.collect()
 
 
 if __name__ == "__main__":
