@@ -1,7 +1,8 @@
 """Attention kernels shared by the model families, and the mask a model declares for each attention layer.
 
 RoPE in the rotate-half layout; causal attention through scaled_dot_product_attention (grouped-query when k and v
-have fewer heads than q), under the sliding window, attention sinks or mask_mod a layer declares (`AttentionMask`);
+have fewer heads than q), under the sliding window, attention sinks or mask_mod a layer declares (`AttentionMask`),
+with learned sink logits where a layer passes them (`with_sink_logits`);
 document masking (FlexAttention on CUDA, a dense boolean mask elsewhere); and the tensor-parallel plan of
 QK-norm. A family's Attention module projects q, k, v, declares its `attention_mask` and calls `causal_attention` as
 its `sdpa`; context parallelism (parallelisms/context_parallel.py) reads the same declaration. They live in
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from components.data.documents import document_positions
 
@@ -83,8 +84,9 @@ class AttentionLayer(Protocol):
     """The keys this layer's queries see."""
     sdpa: Callable[..., torch.Tensor]
     """sdpa(q, k, v, mask, attention_mask) -> attention over (batch, heads, seq, head_dim); `mask` is what the
-    model's document_mask built for this layer's attention_mask (None without document masking). Context
-    parallelism replaces it by its method's attention."""
+    model's document_mask built for this layer's attention_mask (None without document masking). A layer with
+    learned sink logits (gpt-oss) passes them as `sink_logits=` (heads,), one per head it holds (`with_sink_logits`).
+    Context parallelism replaces it by its method's attention, which takes the same arguments."""
 
 
 def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:
@@ -137,15 +139,16 @@ def qk_norm_tensor_parallel_plan(attention: str) -> dict:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | BlockMask | None = None, spec: AttentionMask = CAUSAL) -> torch.Tensor:
+                     mask: torch.Tensor | BlockMask | None = None, spec: AttentionMask = CAUSAL,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention over (batch, heads, seq, head_dim) under the layer's declared `spec`;
-    within documents given the `document_mask` built for that spec; k/v may have fewer heads. The attention
-    modules' `sdpa`."""
+    within documents given the `document_mask` built for that spec; k/v may have fewer heads; with `sink_logits`
+    (heads,), learned sinks (`with_sink_logits`). The attention modules' `sdpa`."""
     if mask is not None:
-        return masked_attention(q, k, v, mask)
-    if spec == CAUSAL:
+        return masked_attention(q, k, v, mask, sink_logits)
+    if spec == CAUSAL and sink_logits is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return declared_attention(q, k, v, spec)
+    return declared_attention(q, k, v, spec, sink_logits)
 
 
 @functools.cache
@@ -173,31 +176,64 @@ WINDOW_CHUNK = 256
 """The fewest queries `declared_attention` attends at once on CPU."""
 
 
-def declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionMask) -> torch.Tensor:
-    """Causal attention under a window, sinks or a mask_mod over (batch, heads, seq, head_dim). Under FlexAttention
-    (CUDA), one kernel that skips the blocks the spec masks whole. Elsewhere by chunks of max(window, WINDOW_CHUNK)
-    queries, each attending to the keys from the first its queries may see to its last under a boolean mask of that
-    size (`chunk_attention`): under a window without sinks, work and memory grow with the sequence times the window,
-    not with its square."""
-    seq, gqa = q.shape[2], q.shape[1] != k.shape[1]
+def declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionMask,
+                       sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention under a window, sinks or a mask_mod, or with learned `sink_logits`, over (batch, heads, seq,
+    head_dim). Under FlexAttention (CUDA), one kernel that skips the blocks the spec masks whole; elsewhere by chunks
+    of queries (`attention_by_chunks`)."""
     if use_flex_attention(q.device):
-        return compiled_flex_attention(q, k, v, block_mask=_declared_block_mask(seq, spec, str(q.device)),
-                                       enable_gqa=gqa)
-    chunk = max(spec.window or 0, WINDOW_CHUNK)
-    return torch.cat([chunk_attention(q[:, :, first:first + chunk], k, v, first, spec)
-                      for first in range(0, seq, chunk)], dim=2)
+        return masked_attention(q, k, v, _declared_block_mask(q.shape[2], spec, str(q.device)), sink_logits)
+    return attention_by_chunks(q, k, v, 0, spec, sink_logits)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, spec: AttentionMask) -> torch.Tensor:
+def attention_by_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, spec: AttentionMask,
+                        sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the queries q (batch, heads, n, head_dim) at positions first to first + n - 1 to the keys and
-    values k, v of the whole sequence (positions from 0) under `spec`: only the keys from the first the queries may
-    see (`AttentionMask.first_key`) to the last query are read, under a boolean mask of that size."""
+    values k, v of the whole sequence (positions from 0) under `spec`, by chunks of max(window, WINDOW_CHUNK)
+    queries, each attending to the keys from the first its queries may see to its last under a boolean mask of that
+    size (`chunk_attention`): under a window without sinks, work and memory grow with the queries times the window,
+    not with the queries times the sequence."""
+    chunk = max(spec.window or 0, WINDOW_CHUNK)
+    return torch.cat([chunk_attention(q[:, :, i:i + chunk], k, v, first + i, spec, sink_logits)
+                      for i in range(0, q.shape[2], chunk)], dim=2)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, spec: AttentionMask,
+                    sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the queries q (batch, heads, n, head_dim) at positions first to first + n - 1 to the keys and
+    values k, v of the whole sequence (positions from 0) under `spec`, with `sink_logits` if given: only the keys
+    from the first the queries may see (`AttentionMask.first_key`) to the last query are read, under a boolean mask
+    of that size."""
     end = first + q.shape[2]
     start = spec.first_key(first)
     mask = visible_keys(None, torch.arange(first, end, device=q.device), torch.arange(start, end, device=q.device),
                         spec)
-    return F.scaled_dot_product_attention(q, k[:, :, start:end], v[:, :, start:end], attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention(q, k[:, :, start:end], v[:, :, start:end], mask, sink_logits)
+
+
+def with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor) -> torch.Tensor:
+    """Learned attention sinks (gpt-oss): each head's softmax denominator gains exp(sink_logits[h]), a share of
+    every query's attention that goes to no value. Given the attention without them, out (batch, heads, n, head_dim),
+    and the log-sum-exp of each query's scores, lse (batch, heads, n), that is out × exp(lse) / (exp(lse) +
+    exp(sink)) = out × sigmoid(lse − sink): applied after any kernel, or any merge of partial attentions, that
+    gives the log-sum-exp."""
+    return out * torch.sigmoid(lse.float() - sink_logits.float()[:, None]).unsqueeze(-1).to(out.dtype)
+
+
+def attention_and_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (batch, heads, n, head_dim) to k, v (batch, kv_heads, m, head_dim) where `allowed` (booleans
+    broadcasting to (batch, heads, n, m)) holds, and the log-sum-exp of each query's scores (float32), both
+    differentiable: the scores materialized, as autograd's operations. What learned sinks run where FlexAttention
+    has no backward (CPU): SDPA's fused kernels return no log-sum-exp a gradient can flow through."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = scores.logsumexp(-1)
+    probabilities = (scores - lse[..., None]).exp().nan_to_num(0.0)  # a query without keys (lse -inf) gets 0
+    return (probabilities @ v.float()).to(v.dtype), lse
 
 
 @functools.lru_cache(maxsize=8)
@@ -237,9 +273,16 @@ def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
     return visible_keys(document_ids, positions, positions, spec)[:, None]
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask) -> torch.Tensor:
-    """Attention over (batch, heads, seq, head_dim) under a `document_mask`; k/v may have fewer heads."""
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim) under a `document_mask` (or a boolean mask of these queries and
+    keys), with `sink_logits` if given; k/v may have fewer heads."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        if sink_logits is None:
+            return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        out, aux = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        return with_sink_logits(out, aux.lse, sink_logits)
+    if sink_logits is not None:
+        return with_sink_logits(*attention_and_lse(q, k, v, mask), sink_logits)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

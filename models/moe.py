@@ -60,6 +60,8 @@ class MoEArgs:
     z_loss_coef: float = 0.0
     hidden_act: str = "silu"
     """The experts' activation, by Hugging Face's name (models/activations.py): SwiGLU with silu."""
+    router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss), which takes part in the scores, unlike expert_bias."""
 
 
 def check_moe_args(args: MoEArgs, key_prefix: str = "moe.") -> None:
@@ -117,7 +119,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor):
         """x: (tokens, dim). Returns the logits and scores (tokens, num_experts), and the chosen
@@ -203,14 +205,16 @@ class LocalDispatch:
 
 
 class MoE(nn.Module):
-    """The feed-forward of a block as a mixture of experts. Input and output (batch, seq, dim)."""
+    """The feed-forward of a block as a mixture of experts. Input and output (batch, seq, dim). `experts`: a
+    family's own experts module (gpt-oss's), called as GroupedExperts is; default GroupedExperts."""
 
-    def __init__(self, dim: int, args: MoEArgs):
+    def __init__(self, dim: int, args: MoEArgs, experts: nn.Module | None = None):
         super().__init__()
         check_moe_args(args)
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.hidden_act)
+        self.experts = (experts if experts is not None
+                        else GroupedExperts(dim, args.hidden_dim, args.num_experts, args.hidden_act))
         self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts, args.hidden_act)
                                if args.num_shared_experts else None)
         self.dispatcher = LocalDispatch()
@@ -233,6 +237,8 @@ class MoE(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+        if self.router.gate.bias is not None:
+            nn.init.zeros_(self.router.gate.bias)
         self.experts.init_weights(out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)

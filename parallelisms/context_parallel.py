@@ -45,9 +45,9 @@ from components.attention import (
     CAUSAL,
     AttentionLayer,
     AttentionMask,
+    attention_by_chunks,
     attention_layers,
     causal_attention,
-    chunk_attention,
     masked_attention,
     visible_keys,
 )
@@ -132,33 +132,35 @@ def zigzag_to_sequence_order(gathered: torch.Tensor, cp_size: int) -> torch.Tens
 
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardedDocuments | None = None,
-                           spec: AttentionMask = CAUSAL, *, cp_mesh: DeviceMesh,
-                           masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
+                           spec: AttentionMask = CAUSAL, sink_logits: torch.Tensor | None = None, *,
+                           cp_mesh: DeviceMesh, masks: tuple[CausalBias, CausalBias]) -> torch.Tensor:
     """Causal attention of this rank's queries to the keys and values of the whole sequence, under the layer's
     declared `spec`, within documents given a `mask` of `allgather_documents` (else under the rank's
-    `zigzag_masks`, or under the spec's window, sinks or mask_mod).
+    `zigzag_masks`, or under the spec's window, sinks or mask_mod), with learned `sink_logits` if given (each query
+    has all its keys here, so they apply as without context parallelism).
 
     q: (batch, n_heads, local_seq, head_dim) and k, v: (batch, n_kv_heads, local_seq, head_dim),
     plain tensors holding this rank's share of the tokens; n_kv_heads may divide n_heads (grouped-query
     attention). Returns a tensor shaped like q, but for the head size, v's."""
     if mask is not None:
-        return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec)
+        return _allgather_documents_attention(q, k, v, mask, cp_mesh, spec, sink_logits)
     k, v = _split_kv(zigzag_to_sequence_order(_gather_kv(k, v, cp_mesh), cp_mesh.size()), k)
-    if spec != CAUSAL:
-        return zigzag_declared_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec)
+    if spec != CAUSAL or sink_logits is not None:
+        return zigzag_declared_attention(q, k, v, cp_mesh.size(), cp_mesh.get_local_rank(), spec, sink_logits)
     return zigzag_attention(q, k, v, masks)
 
 
 def _allgather_documents_attention(q, k, v, documents: ShardedDocuments, cp_mesh: DeviceMesh,
-                                   spec: AttentionMask) -> torch.Tensor:
+                                   spec: AttentionMask, sink_logits: torch.Tensor | None) -> torch.Tensor:
     """allgather under document masking: the gathered keys and values put in sequence order, row by row."""
     shares = documents.shares.flatten(1)  # (batch, seq): the positions of the gathered keys, in rank order
     k, v = _split_kv(take(_gather_kv(k, v, cp_mesh), shares.argsort(dim=1), dim=2), k)
-    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), spec)
+    return documents_attention(q, k, v, documents, cp_mesh.get_local_rank(), spec, sink_logits)
 
 
 def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: ShardedDocuments,
-                        cp_rank: int, spec: AttentionMask = CAUSAL) -> torch.Tensor:
+                        cp_rank: int, spec: AttentionMask = CAUSAL,
+                        sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """allgather's attention under document masking once the keys and values of the whole sequence are gathered:
     each of rank `cp_rank`'s two query chunks attends to the range of keys the mask's plan gives it
     (`allgather_documents`), those `spec` lets each query see in its document: under the plan's
@@ -171,17 +173,18 @@ def documents_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
         if mask is None:
             keys = torch.arange(start, end, device=q.device)
             mask = visible_keys(documents.document_ids, documents.shares[:, cp_rank, rows], keys, spec)[:, None]
-        outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask))
+        outputs.append(masked_attention(q[:, :, rows], k[:, :, start:end], v[:, :, start:end], mask, sink_logits))
     return torch.cat(outputs, dim=2)
 
 
 def zigzag_declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int, cp_rank: int,
-                              spec: AttentionMask) -> torch.Tensor:
-    """`zigzag_attention` under a window, sinks or a mask_mod: each of the rank's two query chunks attends to the
-    keys from the first its queries may see to its last (`chunk_attention`), so under a window the work and the
-    scores' memory fall with it. No process group: the memory estimator runs it on fake tensors."""
+                              spec: AttentionMask, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """`zigzag_attention` under a window, sinks or a mask_mod, or with learned `sink_logits`: each of the rank's two
+    query chunks attends by smaller chunks to the keys from the first their queries may see to their last
+    (`attention_by_chunks`), so under a window the work and the scores' memory fall with it. No process group: the
+    memory estimator runs it on fake tensors."""
     chunk = q.shape[2] // 2
-    return torch.cat([chunk_attention(q_chunk, k, v, index * chunk, spec)
+    return torch.cat([attention_by_chunks(q_chunk, k, v, index * chunk, spec, sink_logits)
                       for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank))], dim=2)
 
 
@@ -245,12 +248,15 @@ def check_heads_divide(n_heads: int, cp_size: int) -> None:
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, spec: AttentionMask = CAUSAL,
-                       *, cp_mesh: DeviceMesh, attend) -> torch.Tensor:
+                       sink_logits: torch.Tensor | None = None, *, cp_mesh: DeviceMesh, attend) -> torch.Tensor:
     """Ulysses: the attention of `allgather_kv_attention`, computed by whole sequences of cp-th of the heads
     with the model's own kernel `attend(q, k, v, mask, spec)` (its attention modules' `sdpa`, under the layer's
     declared `spec`; within documents given `alltoall_documents`, which holds the model's mask of the whole
-    sequence). Any kernel that treats the heads alone is right here, the model's own included."""
+    sequence), given the `sink_logits` of those heads if the layer has any. Any kernel that treats the heads alone
+    is right here, the model's own included."""
     cp_size = cp_mesh.size()
+    if sink_logits is not None:  # the heads this rank attends with: its cp-th share, in order
+        attend = partial(attend, sink_logits=sink_logits.unflatten(0, (cp_size, -1))[cp_mesh.get_local_rank()])
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))

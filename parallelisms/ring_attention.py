@@ -22,6 +22,11 @@ a bias (also within documents), the others as above, so the work falls with the 
 causal pair (the first keys are seen from everywhere), and a mask_mod puts a bias on every pair, which it may
 leave without a key for some queries: those take nothing from it, as above.
 
+Learned sink logits (gpt-oss, components/attention.py's `with_sink_logits`) apply once the blocks are merged: the
+output is scaled by sigmoid(lse - sink) and the sink joins the log-sum-exp. The kernels' backward, given that output
+and log-sum-exp, computes the probabilities with the sink's share taken out, which is the whole gradient of q, k and
+v; the sink's own is -sum(p_sink * rowsum(grad_out * out)) over the queries.
+
 The backward runs the ring again: each block's key and value gradients travel with it and arrive back at
 its owner after the last step. Each step's attention, forward and backward, is one call of PyTorch's fused
 kernel that returns the log-sum-exp (flash attention on CPU and for half precision on CUDA, the
@@ -218,7 +223,8 @@ def _blocks(q, documents, rank: int, owner: int, size: int, spec: AttentionMask 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1, spec: AttentionMask = CAUSAL):
+    def forward(ctx, q, k, v, ring: Ring, documents=None, repeats: int = 1, spec: AttentionMask = CAUSAL,
+                sink_logits: torch.Tensor | None = None):
         """`repeats`: how many times each key/value head is repeated for the kernels (`head_repeats`)."""
         rank, size = ring.rank, ring.size
         kv = torch.stack([k, v])
@@ -238,14 +244,18 @@ class RingAttention(torch.autograd.Function):
                     merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = ring.finish(pending)
+        if sink_logits is not None:
+            sink = sink_logits.float()[:, None].expand_as(lse)
+            out.mul_(torch.sigmoid(lse - sink)[..., None])
+            lse = torch.logaddexp(lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink_logits)
         ctx.ring, ctx.aux, ctx.documents, ctx.repeats, ctx.spec = ring, aux, documents, repeats, spec
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink_logits = ctx.saved_tensors
         ring, documents, repeats = ctx.ring, ctx.documents, ctx.repeats
         rank, size = ring.rank, ring.size
         grad_out = grad_out.contiguous()
@@ -272,22 +282,27 @@ class RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
         grad_k, grad_v = ring.finish(pending_grad)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        grad_sinks = None
+        if sink_logits is not None:  # the sink's share of each query's attention, times -rowsum(grad_out * out)
+            sink_share = (sink_logits.float()[:, None] - lse).exp()
+            grad_sinks = -(sink_share * (grad_out.float() * out.float()).sum(-1)).sum((0, 2)).to(sink_logits.dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, grad_sinks
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, spec: AttentionMask = CAUSAL,
-                   *, cp_mesh: DeviceMesh) -> torch.Tensor:
+                   sink_logits: torch.Tensor | None = None, *, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Causal attention of this rank's zigzag share of queries, q (batch, n_heads, local_seq, head_dim), to the
     whole sequence, whose keys and values k, v (batch, n_kv_heads, local_seq, head_dim) the CP ranks hold in
     zigzag shares; n_kv_heads may divide n_heads. Given `documents` (the attention modules' mask under document
     masking, `ring_documents`: the shares are then by documents), within documents; under the layer's declared
-    `spec` (window, sinks, mask_mod), skipping the blocks wholly outside a window. Returns a tensor shaped like q,
-    but for the head size, v's (values narrower than the queries travel padded: the kernels want one head size).
+    `spec` (window, sinks, mask_mod), skipping the blocks wholly outside a window; with learned `sink_logits`.
+    Returns a tensor shaped like q, but for the head size, v's (values narrower than the queries travel padded: the
+    kernels want one head size).
 
     Context parallelism leaves it out of compiled blocks (compile.enable): the ring's point-to-point sends are
     not traceable; the kernels it calls are fused already."""
     narrower = v.shape[-1] < q.shape[-1]  # multi-head latent attention's values: zeros pad them to the kernels' size
     padded = F.pad(v, (0, q.shape[-1] - v.shape[-1])) if narrower else v
     out = RingAttention.apply(q.contiguous(), k.contiguous(), padded.contiguous(), Ring(cp_mesh), documents,
-                              head_repeats(q, k, q.device.type), spec)
+                              head_repeats(q, k, q.device.type), spec, sink_logits)
     return out[..., :v.shape[-1]] if narrower else out

@@ -332,15 +332,19 @@ def every_third_key(q_idx, kv_idx):
     return (q_idx - kv_idx) % 3 != 1
 
 
-DECLARED = {"window_sinks": attention.AttentionMask(window=3, sinks=2),
-            "mask_mod": attention.AttentionMask(mask_mod=every_third_key),
-            "window_mask_mod": attention.AttentionMask(window=5, mask_mod=every_third_key)}
-"""Declarations beyond a plain window, each cutting through the chunks at CP 2 and 4 (sequence 16)."""
+DECLARED = {"window_sinks": (attention.AttentionMask(window=3, sinks=2), False),
+            "mask_mod": (attention.AttentionMask(mask_mod=every_third_key), False),
+            "window_mask_mod": (attention.AttentionMask(window=5, mask_mod=every_third_key), False),
+            "learned_sinks": (attention.CAUSAL, True),
+            "window_learned_sinks": (attention.AttentionMask(window=5), True)}
+"""Declarations beyond a plain window, each cutting through the chunks at CP 2 and 4 (sequence 16), and whether the
+layer passes learned sink logits (gpt-oss's)."""
 
 
 def check_declared_masks(cp_mesh) -> None:
-    """Outputs and q/k/v gradients of each method's attention under attention sinks and mask_mods, with and
-    without documents, are this rank's share of one process's attention under the same declaration."""
+    """Outputs and q/k/v gradients of each method's attention under attention sinks and mask_mods, and with learned
+    sink logits (their gradients summed over the ranks too), with and without documents, are this rank's share of
+    one process's attention under the same declaration."""
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     torch.manual_seed(0)  # the same full tensors on every rank
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
@@ -352,19 +356,26 @@ def check_declared_masks(cp_mesh) -> None:
                         partial(ring_documents, cp_size=cp_size, cp_rank=cp_rank)),
                "alltoall": (partial(alltoall_attention, cp_mesh=cp_mesh, attend=causal_attention),
                             partial(alltoall_documents, cp_size=cp_size, whole_mask=document_mask))}
-    for (name, spec), ids in itertools.product(DECLARED.items(), (None, packed_rows(2, 16, 5))):
+    sink_logits = torch.randn(4)
+    for (name, (spec, learned)), ids in itertools.product(DECLARED.items(), (None, packed_rows(2, 16, 5))):
+        sinks = {"sink_logits": sink_logits.clone().requires_grad_()} if learned else {}
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        full_out = causal_attention(*full, None if ids is None else document_mask(ids, spec), spec)
+        full_out = causal_attention(*full, None if ids is None else document_mask(ids, spec), spec, **sinks)
         (full_out * projection).sum().backward()
         share = partial(shard_sequence, cp_mesh=cp_mesh, dim=2, document_ids=ids)
         for method, (attend, documents) in methods.items():
             what = f"{method} {name}{'' if ids is None else ' documents'}"
             local = [share(t).requires_grad_() for t in (q, k, v)]
-            out = attend(*local, None if ids is None else documents(ids, spec), spec)
+            local_sinks = {key: t.detach().clone().requires_grad_() for key, t in sinks.items()}
+            out = attend(*local, None if ids is None else documents(ids, spec), spec, **local_sinks)
             torch.testing.assert_close(out, share(full_out.detach()), **TOL, msg=what)
             (out * share(projection)).sum().backward()
             for grad, t_local, t_full in zip("qkv", local, full):
                 torch.testing.assert_close(t_local.grad, share(t_full.grad), **TOL, msg=f"{what} d{grad}")
+            if learned:  # each rank's queries give their part of the sinks' gradient
+                grad = local_sinks["sink_logits"].grad.clone()
+                dist.all_reduce(grad, group=cp_mesh.get_group())
+                torch.testing.assert_close(grad, sinks["sink_logits"].grad, **TOL, msg=f"{what} dsinks")
 
 
 WINDOW = 5
@@ -490,7 +501,7 @@ def test_attention_of_every_method_matches_the_full_sequence(cp_size, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_attention_sinks_and_mask_mods_under_every_method_match_one_process(cp_size, tmp_path):
+def test_attention_sinks_mask_mods_and_learned_sinks_under_every_method_match_one_process(cp_size, tmp_path):
     run_ranks(check_declared_masks, cp_size, tmp_path)
 
 

@@ -135,13 +135,15 @@ def every_third_key(q_idx, kv_idx):
     return (q_idx - kv_idx) % 3 != 1
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["", "learned_sinks"])
 @pytest.mark.parametrize("documents", [False, True], ids=["alone", "documents"])
 @pytest.mark.parametrize("declared", [dict(window=100), dict(window=100, sinks=4), dict(mask_mod=every_third_key)],
                          ids=["window", "window_sinks", "mask_mod"])
-def test_flex_attention_under_a_declared_mask_matches_the_dense_mask_forward_and_backward(documents, declared):
-    """A declared sliding window, with attention sinks, or a mask_mod on CUDA: the FlexAttention kernel (bf16),
-    with and without documents, against SDPA under the dense boolean mask of the same declaration (fp32): output
-    and gradients of q, k, v."""
+def test_flex_attention_under_a_declared_mask_matches_the_dense_mask_forward_and_backward(documents, declared,
+                                                                                          learned):
+    """A declared sliding window, with attention sinks, or a mask_mod on CUDA, with and without learned sink logits
+    (gpt-oss's, through FlexAttention's log-sum-exp): the FlexAttention kernel (bf16), with and without documents,
+    against the dense boolean mask of the same declaration (fp32): output and gradients of q, k, v (and the sinks)."""
     from components.attention import AttentionMask, causal_attention, visible_keys
 
     spec, seq = AttentionMask(**declared), 512
@@ -153,21 +155,25 @@ def test_flex_attention_under_a_declared_mask_matches_the_dense_mask_forward_and
     dense = visible_keys(ids, positions, positions, spec)
     dense = dense[:, None] if documents else dense
 
+    sink_logits = torch.randn(8, device="cuda", generator=generator) if learned else None
+
     def output_and_gradients(dtype: torch.dtype, flex: bool) -> list[torch.Tensor]:
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        sinks = {"sink_logits": sink_logits.clone().requires_grad_()} if learned else {}
         if flex:
             mask = document_mask(ids, spec) if documents else None
             assert mask is None or isinstance(mask, BlockMask)
-            out = causal_attention(*leaves, mask, spec)
+            out = causal_attention(*leaves, mask, spec, **sinks)
         else:
-            out = masked_attention(*leaves, dense)
+            out = masked_attention(*leaves, dense, **sinks)
         (out.float() * probe).sum().backward()
-        return [out] + [t.grad for t in leaves]
+        return [out] + [t.grad for t in leaves] + [t.grad for t in sinks.values()]
 
     got_all, expected_all = output_and_gradients(torch.bfloat16, True), output_and_gradients(torch.float32, False)
-    for name, got, expected in zip(("output", "dq", "dk", "dv"), got_all, expected_all):
-        assert got.dtype == torch.bfloat16 and got.shape == expected.shape, name
-        assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
+    for name, got, expected in zip(("output", "dq", "dk", "dv", "dsinks"), got_all, expected_all):
+        assert got.shape == expected.shape, name
+        assert name == "dsinks" or got.dtype == torch.bfloat16, name
+        assert relative_error(got.float(), expected) < 3e-2, (name, relative_error(got.float(), expected))
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
@@ -392,6 +398,14 @@ def test_profiler_writes_chrome_traces_with_cuda_kernels_and_memory_snapshots(tm
 def test_bf16_mixture_of_experts_trains_with_falling_loss(tmp_path):
     """The Qwen3 MoE debug model: bf16 experts go through torch._grouped_mm on SM 9.0+."""
     records = train(tmp_path, "--job.config_file", "debug_moe.toml")
+    assert_trains(records)
+    assert all(math.isfinite(r["moe_max_load"]) for r in records)
+
+
+def test_bf16_gpt_oss_trains_compiled_with_falling_loss(tmp_path):
+    """The gpt-oss debug model compiled: its window and learned sinks through FlexAttention's log-sum-exp, its biased
+    experts through torch._grouped_mm on SM 9.0+."""
+    records = train(tmp_path, "--job.config_file", "debug_gpt_oss.toml", *COMPILE)
     assert_trains(records)
     assert all(math.isfinite(r["moe_max_load"]) for r in records)
 

@@ -239,11 +239,11 @@ def test_llama3_8b_estimate_is_fast_plausible_and_allocates_nothing():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_file", ["debug_model.toml", "debug_deepseek_v3.toml"])
+@pytest.mark.parametrize("config_file", ["debug_model.toml", "debug_deepseek_v3.toml", "debug_gpt_oss.toml"])
 def test_estimate_is_within_20_percent_of_a_real_cpu_run(tmp_path, config_file):
     """A real run in a fresh process (its peak resident memory is then its own), against the estimator's CLI,
-    also in a fresh process (it measures its baseline in itself); Llama 3, and DeepSeek-V3's latent attention and
-    experts."""
+    also in a fresh process (it measures its baseline in itself); Llama 3, DeepSeek-V3's latent attention and
+    experts, and gpt-oss's sliding-window layers with learned sinks."""
     run = [*SMALL, "--job.config_file", config_file]
     train = subprocess.run(
         [sys.executable, "train.py", *run, "--training.steps", "4", "--job.dump_folder", str(tmp_path)],

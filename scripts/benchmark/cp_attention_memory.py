@@ -2,7 +2,7 @@
 (parallelisms/context_parallel.py) on CPU over gloo:
 
     python -m scripts.benchmark.cp_attention_memory [--seq 16384] [--degrees 1 2 4] [--heads 8] [--kv-heads 2]
-        [--head-dim 64] [--batch 1] [--documents MEAN] [--window W]
+        [--head-dim 64] [--batch 1] [--documents MEAN] [--window W] [--learned-sinks]
 
 For each CP degree, that many processes (gloo, one thread each) hold their zigzag shares of random q, k, v of a
 `seq`-token sequence and run one forward and backward of the method's attention; each reports the growth of its
@@ -12,7 +12,9 @@ shows the largest rank's memory and the slowest rank's seconds (the ranks wait f
 plain causal attention (the fused kernel). With `--documents MEAN`, under document masking: each row packed
 with documents of random lengths, MEAN tokens on average (seeded), the shares by documents; degree 1 is then
 the model's masked attention of the whole sequence. With `--window W`, every query sees only the last W keys
-(the sliding window a model declares, components/attention.py), with or without documents. Linux only (/proc).
+(the sliding window a model declares, components/attention.py), with or without documents. With
+`--learned-sinks`, the attention has a learned sink logit per head (gpt-oss's; zeros here), applied through each
+kernel's log-sum-exp. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -97,13 +99,19 @@ def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
              "ring": partial(ring_documents, cp_size=cp, cp_rank=rank),
              "alltoall": partial(alltoall_documents, cp_size=cp, whole_mask=document_mask)}
     spec = AttentionMask(window=shape["window"])
+    sinks = learned_sinks(shape)
     lines = []
     for method in METHODS:
         dist.barrier()
         mask = None if ids is None else masks[method](ids, spec)  # what the model builds once per forward
-        peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask, spec), q, k, v)
+        peak, seconds = measure(lambda q, k, v: methods[method](q, k, v, mask, spec, **sinks), q, k, v)
         lines.append(f"{method} {rank} {peak} {seconds}")
     return lines
+
+
+def learned_sinks(shape: dict) -> dict:
+    """The attention's keyword for learned sink logits, if the shape has them."""
+    return {"sink_logits": torch.zeros(shape["heads"])} if shape["learned_sinks"] else {}
 
 
 def one_process(shape: dict) -> tuple[int, float]:
@@ -115,7 +123,7 @@ def one_process(shape: dict) -> tuple[int, float]:
     ids = document_ids(shape)
     spec = AttentionMask(window=shape["window"])
     mask = None if ids is None else document_mask(ids, spec)
-    return measure(partial(causal_attention, mask=mask, spec=spec), q, k, v)
+    return measure(partial(causal_attention, mask=mask, spec=spec, **learned_sinks(shape)), q, k, v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="document masking, documents of MEAN tokens on average (default: one causal sequence)")
     parser.add_argument("--window", type=int, default=None, metavar="W",
                         help="a sliding window: each query sees the last W keys only (default: all before it)")
+    parser.add_argument("--learned-sinks", action="store_true", help="a learned sink logit per head (gpt-oss's)")
     args = parser.parse_args(argv)
     shape = {"seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-             "batch": args.batch, "documents": args.documents, "window": args.window}
+             "batch": args.batch, "documents": args.documents, "window": args.window,
+             "learned_sinks": args.learned_sinks}
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the resident set at once
     masking = f", documents of {args.documents} tokens on average" if args.documents else ", causal"
     masking += f", a window of {args.window} keys" if args.window else ""
+    masking += ", learned sinks" if args.learned_sinks else ""
     print(f"attention of {args.batch} x {args.seq} tokens, {args.heads} query and {args.kv_heads} key/value heads "
           f"of {args.head_dim}{masking}, float32, forward and backward; torch {torch.__version__}")
     print("| method | CP degree | peak MiB (largest rank) | of CP 1 | seconds |")

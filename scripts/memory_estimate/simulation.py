@@ -130,19 +130,19 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
     only sizes matter), and ring's kernels of the `target` device. `masks`: `allgather_masks`."""
     positions = zigzag_positions(local_seq * cp, cp, 0)
 
-    def allgather(q, k, v, mask=None, spec=CAUSAL):
+    def allgather(q, k, v, mask=None, spec=CAUSAL, sink_logits=None):
         joined = torch.cat([k, v], dim=-1)  # (batch, n_kv_heads, local_seq, k and v head sizes)
         gathered = joined.repeat_interleave(cp, dim=2)
         sizes = [k.shape[-1], v.shape[-1]]
         if mask is not None:
             k, v = take(gathered, mask.shares.flatten(1).argsort(dim=1), dim=2).split(sizes, dim=-1)
-            return documents_attention(q, k, v, mask, 0, spec)
+            return documents_attention(q, k, v, mask, 0, spec, sink_logits)
         k, v = zigzag_to_sequence_order(gathered, cp).split(sizes, dim=-1)
-        if spec != CAUSAL:
-            return zigzag_declared_attention(q, k, v, cp, 0, spec)
+        if spec != CAUSAL or sink_logits is not None:
+            return zigzag_declared_attention(q, k, v, cp, 0, spec, sink_logits)
         return zigzag_attention(q, k, v, masks)
 
-    def alltoall(q, k, v, mask=None, spec=CAUSAL):  # the sizes of full causal attention, an upper bound
+    def alltoall(q, k, v, mask=None, spec=CAUSAL, sink_logits=None):  # full causal attention's sizes, an upper bound
         def trade(t):  # (batch, heads, local_seq, d) -> (batch, heads / cp, seq, d), as sized as the all-to-all's
             return t.unflatten(1, (cp, -1))[:, 0].repeat_interleave(cp, dim=2)
 
@@ -154,8 +154,8 @@ def context_parallel_attention(cp: int, local_seq: int, method: str, target: str
                                                                enable_gqa=q.shape[1] != k.shape[1])
         return out.unflatten(2, (cp, -1))[:, :, 0].repeat_interleave(cp, dim=1)
 
-    def ring(q, k, v, mask=None, spec=CAUSAL):
-        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask, head_repeats(q, k, target), spec)
+    def ring(q, k, v, mask=None, spec=CAUSAL, sink_logits=None):
+        return RingAttention.apply(q, k, v, LoopbackRing(cp), mask, head_repeats(q, k, target), spec, sink_logits)
 
     return {"allgather": allgather, "alltoall": alltoall, "ring": ring}[method], positions
 
@@ -198,14 +198,18 @@ def allgather_masks(cp: int, local_seq: int, target: str, dtype: torch.dtype):
     return masks
 
 
-def values_as_wide_as_keys(sdpa):
-    """The attention `sdpa` with values narrower than the keys (multi-head latent attention) padded to their size:
-    on fake CPU tensors SDPA's CPU kernels would fall back to the math path, which keeps the attention weights for
-    backward; CUDA's memory-efficient kernel keeps, like flash, only the output and the log-sum-exp."""
-    def attend(q, k, v, mask=None, spec=CAUSAL):
+def as_cuda_attends(sdpa):
+    """The attention `sdpa` as CUDA's kernels keep memory, on fake CPU tensors. Values narrower than the keys
+    (multi-head latent attention) are padded to their size: SDPA's CPU kernels would fall back to the math path,
+    which keeps the attention weights for backward; CUDA's memory-efficient kernel keeps, like flash, only the output
+    and the log-sum-exp. Learned sink logits are left out: the CPU path materializes the scores for them, CUDA's
+    FlexAttention keeps what those kernels keep (its sink scale is one more output-sized tensor)."""
+    def attend(q, k, v, mask=None, spec=CAUSAL, sink_logits=None):
+        scale = 1.0 if sink_logits is None else 0.5  # an output-sized product, as the sinks' scale
         if v.shape[-1] >= q.shape[-1]:
-            return sdpa(q, k, v, mask, spec)
-        return sdpa(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])), mask, spec)[..., :v.shape[-1]]
+            return sdpa(q, k, v, mask, spec) * scale
+        padded = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        return sdpa(q, k, padded, mask, spec)[..., :v.shape[-1]] * scale
     return attend
 
 
@@ -287,7 +291,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             layer.dispatcher = balanced_dispatch
         if target == "cuda" and cp == 1:
             for _, layer in attention_layers(model):
-                layer.sdpa = values_as_wide_as_keys(layer.sdpa)
+                layer.sdpa = as_cuda_attends(layer.sdpa)
         apply_activation_checkpointing(model.transformer_blocks(), ac_mode, ac_option,
                                        ring_attention=cp > 1 and cp_method == "ring")
         model.train()

@@ -1,0 +1,54 @@
+"""gpt-oss: alternating sliding-window and full attention with learned sinks, and a mixture of experts with biased
+routing and clamped SwiGLU experts; its published sizes ("flavors"), how to parallelize it and its Hugging Face
+names. `__all__` below is this package's side of the model-package contract (docs/models.md)."""
+
+from dataclasses import replace
+
+from components.config import Config
+from models.gpt_oss.config import ModelConfig
+from models.gpt_oss.flavors import flavors
+from models.gpt_oss.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
+from models.gpt_oss.model import ModelArgs, Transformer
+from models.gpt_oss.parallelize import parallelize_gpt_oss as parallelize, tensor_parallel_plan
+from models.moe import moe_args_from_config
+
+HF_MODEL_TYPES = ("gpt_oss",)
+"""The Hugging Face model_types whose folders this family reads when nothing else names the family
+(components/hf.py)."""
+
+# [model] keys that, when set, replace the flavor's value.
+OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "sliding_window", "norm_eps", "rope_theta",
+               "rope_factor", "vocab_size")
+
+
+def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
+    """The flavor's dimensions, with the [model] overrides, the tokenizer's vocabulary and the [moe] section's
+    settings applied, checked."""
+    if config.model.flavor not in flavors:
+        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
+    for key in OVERRIDABLE:
+        value = getattr(config.model, key)
+        if value is not None:
+            setattr(args, key, value)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
+                         f"than the tokenizer's vocabulary ({vocab_size})")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
+    if args.head_dim % 2:
+        raise ValueError(f"model.head_dim {args.head_dim} must be even for RoPE")
+    args.moe = moe_args_from_config(args.moe, config.moe)
+    args.max_seq_len = config.training.seq_len
+    args.rope_per_document = config.model.rope_per_document
+    return args
+
+
+__all__ = [
+    # the model and its [model] keys
+    "ModelConfig", "ModelArgs", "Transformer", "flavors", "build_model_args",
+    # parallelism
+    "parallelize", "tensor_parallel_plan",
+    # Hugging Face interop
+    "HF_MODEL_TYPES", "HF_CONFIG_KEYS", "from_hf", "hf_config", "model_args_from_hf", "to_hf",
+]

@@ -1,0 +1,254 @@
+"""gpt-oss as a plain nn.Module: Qwen3-MoE's block without QK-norm, with biases on the attention's projections,
+a learned sink logit per head, sliding-window layers alternating with full ones (`layer_types`), YaRN RoPE, and a
+mixture of experts whose router and experts have biases and whose experts apply gpt-oss's clamped SwiGLU.
+
+The window is declared on each attention module (`attention_mask`, components/attention.py's AttentionMask), the
+sinks are passed to its `sdpa` (`sink_logits`): every kernel, context parallelism's included, honours both.
+Document masking, the meta-device build, `local_positions` and `sdpa` work as in models/llama3/model.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from components.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, document_mask
+from components.data.documents import document_positions
+from models.moe import MoE, MoEArgs, use_grouped_mm
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""The layer types of Hugging Face's config (layer_types)."""
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 2880
+    n_layers: int = 24
+    n_heads: int = 64
+    n_kv_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 201088
+    norm_eps: float = 1e-5
+    sliding_window: int = 128
+    """The keys a sliding-window layer's queries see: the last `sliding_window`, their own included."""
+    layer_types: tuple[str, ...] | None = None
+    """sliding_attention or full_attention per block; None: sliding first, then alternating (as published)."""
+    rope_theta: float = 150000.0
+    rope_factor: float = 32.0
+    """YaRN's context extension factor; 1: plain RoPE."""
+    rope_original_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    swiglu_limit: float = 7.0
+    """The experts' clamp: the gate at most this, the up projection within +-this."""
+    swiglu_alpha: float = 1.702
+    """The experts' gate is gate * sigmoid(alpha * gate)."""
+    max_seq_len: int = 4096
+    depth_init: bool = True
+    """Scale each block's output projections by its depth (1/sqrt(2*(layer+1))) rather than by the number of layers."""
+    rope_per_document: bool = False
+    """When the forward is given document_ids: RoPE positions restart at 0 at each document."""
+    moe: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=32, top_k=4, hidden_dim=2880,
+                                                         norm_topk_prob=True, router_bias=True))
+    """Every block's feed-forward (gpt-oss has no dense one)."""
+
+    def layer_type(self, layer_id: int) -> str:
+        return self.layer_types[layer_id] if self.layer_types is not None else (SLIDING if layer_id % 2 == 0 else FULL)
+
+    def attention_mask(self, layer_id: int) -> AttentionMask:
+        return AttentionMask(window=self.sliding_window) if self.layer_type(layer_id) == SLIDING else CAUSAL
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight a token goes through (forward + backward; the router and its top_k
+        experts, not all of them) plus the attention scores, over the window only in sliding-window layers."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = self.dim * (q_dim + 2 * kv_dim) + q_dim * self.dim
+        feed_forward = self.dim * self.moe.num_experts + 3 * self.dim * self.moe.hidden_dim * self.moe.top_k
+        weights = self.n_layers * (attention + feed_forward) + self.dim * self.vocab_size
+        keys = sum(min(seq_len, self.sliding_window) if self.layer_type(i) == SLIDING else seq_len
+                   for i in range(self.n_layers))
+        return 6 * weights + 12 * self.n_heads * self.head_dim * keys
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """cos/sin of every position's rotation angles, (max_seq_len, head_dim // 2, 2), in fp32 with the operations of
+    transformers' YaRN RoPE as gpt-oss configures it: the correction range not truncated to whole dimensions, the
+    attention factor 0.1 ln(factor) + 1 on cos and sin."""
+    dim, base = args.head_dim, args.rope_theta
+    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    freqs, scale = 1.0 / wavelengths, 1.0
+    if args.rope_factor > 1:  # interpolated low frequencies, extrapolated high ones, a linear ramp between
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(args.rope_original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(correction_dim(args.rope_beta_fast), 0), min(correction_dim(args.rope_beta_slow), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+        extrapolated = 1 - ramp
+        freqs = 1.0 / (args.rope_factor * wavelengths) * (1 - extrapolated) + freqs * extrapolated
+        scale = 0.1 * math.log(args.rope_factor) + 1.0
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with biased projections and a learned sink logit per head, under the window its layer
+    declares. Under tensor parallelism the sinks are sharded by heads like the queries (parallelize.py)."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.sdpa = causal_attention
+        self.attention_mask = args.attention_mask(layer_id)
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=True)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=True)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=True)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=True)
+        self.sink_logits = nn.Parameter(torch.empty(args.n_heads))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.zeros_(linear.bias)
+        nn.init.zeros_(self.sink_logits)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        sinks = self.sink_logits.to_local() if isinstance(self.sink_logits, DTensor) else self.sink_logits
+        out = self.sdpa(q, k, v, mask, self.attention_mask, sink_logits=sinks)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Experts(nn.Module):
+    """gpt-oss's routed experts, stacked over dim 0 in Hugging Face's layout (so its weights load in place): gate_up
+    (experts, dim, 2 x hidden), the gate and up columns interleaved, down (experts, hidden, dim), each with a bias.
+    An expert computes down((up + 1) * gate * sigmoid(alpha * gate)) with the gate clamped above at `limit` and up
+    within +-limit. Called as models/moe.py's GroupedExperts is (tokens sorted by expert, their counts)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float):
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+        self.gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_bias = nn.Parameter(torch.empty(num_experts, dim))
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.gate_up, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.down, mean=0.0, std=out_std)
+        nn.init.zeros_(self.gate_up_bias)
+        nn.init.zeros_(self.down_bias)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (tokens, dim), sorted by expert, counts[i] of them for this rank's expert i."""
+        gate_up, gate_up_bias, down, down_bias = (w.to_local() if isinstance(w, DTensor) else w
+                                                  for w in (self.gate_up, self.gate_up_bias, self.down, self.down_bias))
+        if use_grouped_mm(x):
+            sizes = torch.tensor(counts, device=x.device)
+            offsets = sizes.cumsum(0).to(torch.int32)
+            expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
+            h = self.glu(torch._grouped_mm(x, gate_up, offs=offsets) + gate_up_bias[expert])
+            return torch._grouped_mm(h, down, offs=offsets) + down_bias[expert]
+        outputs = [self.glu(chunk @ gate_up[i] + gate_up_bias[i]) @ down[i] + down_bias[i]
+                   for i, chunk in enumerate(x.split(counts))]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[2])
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(layer_id, args)
+        experts = Experts(args.dim, args.moe.hidden_dim, args.moe.num_experts, args.swiglu_limit, args.swiglu_alpha)
+        self.feed_forward = MoE(args.dim, args.moe, experts)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
+        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) in, logits (batch, seq, vocab) out; the same structure, attributes and document
+    masking as models.llama3.model.Transformer (whose docstring explains them). RoPE is in Hugging Face's
+    rotate-half layout, so an HF checkpoint's weights are used as they are."""
+
+    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
+    """The modules before and after the blocks (components/model_contract.py)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope", rope_frequencies(args), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+        self.document_mask = document_mask
+
+    def transformer_blocks(self) -> nn.ModuleDict:
+        return self.layers
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a pipeline stage
+        that holds only some of the modules."""
+        self.rope.copy_(rope_frequencies(self.args))
+        for block in self.layers.values():
+            block.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        if self.output is not None:
+            final_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        positions = None if self.local_positions is None else self.local_positions(document_ids)
+        rope = self.rope if positions is None else self.rope[positions]
+        masks = {}
+        if document_ids is not None:  # of the whole sequence, also under context parallelism
+            # Built once here for each mask the blocks declare (windowed and full), shared by the blocks that do.
+            declared = {block.attention.attention_mask for block in self.layers.values()}
+            masks = {spec: self.document_mask(document_ids, spec) for spec in declared}
+            if self.args.rope_per_document:
+                within = document_positions(document_ids)
+                within = within if positions is None else within.gather(1, positions)
+                rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
+        for block in self.layers.values():
+            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
