@@ -85,6 +85,26 @@ def metric_lines(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+def step_figures(dump: Path) -> dict[int, dict]:
+    """step -> its training record (loss, grad_norm, the routing tally's figures, ...)."""
+    return {m["step"]: m for m in metric_lines(dump) if "loss" in m}
+
+
+def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, ep=1, local_batch=None, extra=()) -> tuple[int, list[str]]:
+    """(processes, arguments) of a layout at a global batch of 8: the local batch is 8 / dp unless given."""
+    dp = dp_replicate * dp_shard
+    return dp * tp * pp * cp, [
+        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--parallelism.context_parallel_degree", str(cp),
+        "--parallelism.expert_parallel_degree", str(ep),
+        "--training.local_batch_size", str(local_batch or 8 // dp),
+        *extra,
+    ]
+
+
 SLIDING_WINDOW_PATCH = REPO / "docs" / "assets" / "fork_sliding_window.patch"
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ON_HF, ON_PACKED, metric_lines, reference_runs, torchrun_runs
+from conftest import ON_HF, ON_PACKED, layout, reference_runs, step_figures, torchrun_runs
 from test_qwen3 import randomize, relative_error, report, run_hf, token_ids, transformers_module
 
 import models.deepseek_v3 as deepseek_v3
@@ -170,20 +170,6 @@ BASE = ["--job.config_file", "debug_deepseek_v3.toml", *ON_PACKED, "--training.s
         "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--metrics.log_freq", "1"]
 
 
-def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, ep=1, extra=()):
-    dp = dp_replicate * dp_shard
-    return dp * tp * pp * cp, [
-        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
-        "--parallelism.data_parallel_shard_degree", str(dp_shard),
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.pipeline_parallel_degree", str(pp),
-        "--parallelism.context_parallel_degree", str(cp),
-        "--parallelism.expert_parallel_degree", str(ep),
-        "--training.local_batch_size", str(8 // dp),
-        *extra,
-    ]
-
-
 def schedule(name: str, microbatch: int = 1) -> list[str]:
     return ["--parallelism.pipeline_parallel_schedule", name,
             "--parallelism.pipeline_parallel_microbatch_size", str(microbatch)]
@@ -227,10 +213,6 @@ def references(tmp_path_factory):
 def layout_runs(tmp_path_factory):
     runs = {name: (nproc, [*BASE, *DATA[data], *args]) for name, ((nproc, args), data) in LAYOUTS.items()}
     return torchrun_runs(runs, tmp_path_factory.mktemp("layouts"))
-
-
-def step_figures(dump) -> dict[int, dict]:
-    return {m["step"]: m for m in metric_lines(dump) if "loss" in m}
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ON_HF, ON_PACKED, losses, metric_lines, reference_runs, torchrun, torchrun_runs
+from conftest import ON_HF, ON_PACKED, layout, losses, metric_lines, reference_runs, torchrun, torchrun_runs
 
 pytestmark = pytest.mark.slow
 
@@ -18,19 +18,6 @@ BASE = [
     "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false",
     "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--metrics.log_freq", "1",
 ]
-
-
-def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, extra=()):
-    dp = dp_replicate * dp_shard
-    return dp * tp * pp, [
-        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
-        "--parallelism.data_parallel_shard_degree", str(dp_shard),
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.pipeline_parallel_degree", str(pp),
-        "--parallelism.expert_parallel_degree", str(ep),
-        "--training.local_batch_size", str(8 // dp),
-        *extra,
-    ]
 
 
 # Expert parallelism with tensor and pipeline parallelism, HSDP and compile runs on DeepSeek-V3, whose blocks hold

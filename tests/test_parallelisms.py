@@ -16,6 +16,7 @@ from conftest import (
     TINY,
     fork_with_renamed_modules,
     initial_weights,
+    layout,
     losses,
     metric_lines,
     reference_runs,
@@ -31,20 +32,6 @@ STEPS = 3
 # The validation loss after the last step is compared too.
 BASE = [*TINY, "--model.n_layers", "4", "--training.steps", str(STEPS), "--training.global_batch_size", "8",
         "--validation.enable", "true", "--validation.freq", str(STEPS), "--validation.steps", "1"]
-
-
-def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, local_batch=None, extra=()):
-    dp = dp_replicate * dp_shard
-    args = [
-        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
-        "--parallelism.data_parallel_shard_degree", str(dp_shard),
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.pipeline_parallel_degree", str(pp),
-        "--parallelism.context_parallel_degree", str(cp),
-        "--training.local_batch_size", str(local_batch or 8 // dp),
-        *extra,
-    ]
-    return dp_replicate * dp_shard * tp * pp * cp, args
 
 
 COMPILE = ["--compile.enable", "true"]
