@@ -173,7 +173,7 @@ def use_flex_attention(device: torch.device) -> bool:
 
 
 WINDOW_CHUNK = 256
-"""The fewest queries `declared_attention` attends at once on CPU."""
+"""The fewest queries `attention_by_chunks` attends at once (CPU, and context parallelism's allgather)."""
 
 
 def declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionMask,

@@ -54,7 +54,8 @@ HF_CONFIG_KEYS = {
     "rms_norm_eps": "model.norm_eps",
     "sliding_window": "model.sliding_window",
     "layer_types": "model.flavor (its layer_types)",
-    "rope_parameters": "model.rope_theta, model.rope_factor",
+    "rope_theta": "model.rope_theta",
+    "rope_scaling": "model.rope_factor (YaRN's; 1: none)",
     "num_local_experts": "moe.num_experts",
     "num_experts_per_tok": "moe.top_k",
     "swiglu_limit": "model.flavor (its swiglu_limit)",
@@ -121,11 +122,12 @@ def check_gpt_oss_form(args: ModelArgs) -> None:
 def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:
     """config.json of the GptOssForCausalLM equal to an ingot model with these args."""
     check_gpt_oss_form(args)
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_factor > 1:
-        rope |= {"rope_type": "yarn", "factor": args.rope_factor, "beta_fast": args.rope_beta_fast,
-                 "beta_slow": args.rope_beta_slow, "truncate": False,
-                 "original_max_position_embeddings": args.rope_original_seq_len}
+    yarn = args.rope_factor > 1
+    # As the published config.json writes them (rope_scaling, which transformers 4.55 and later read), and the
+    # context YaRN extends to as max_position_embeddings (else transformers warns that the two disagree).
+    rope_scaling = {"rope_type": "yarn", "factor": args.rope_factor, "beta_fast": args.rope_beta_fast,
+                    "beta_slow": args.rope_beta_slow, "truncate": False,
+                    "original_max_position_embeddings": args.rope_original_seq_len} if yarn else None
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -139,8 +141,9 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "rms_norm_eps": args.norm_eps,
         "sliding_window": args.sliding_window,
         "layer_types": [args.layer_type(i) for i in range(args.n_layers)],
-        "rope_parameters": rope,
-        "max_position_embeddings": max(args.max_seq_len, args.rope_original_seq_len),
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(args.rope_original_seq_len * args.rope_factor) if yarn else args.max_seq_len,
         "num_local_experts": args.moe.num_experts,
         "num_experts_per_tok": args.moe.top_k,
         "swiglu_limit": args.swiglu_limit,

@@ -205,11 +205,11 @@ def as_cuda_attends(sdpa):
     and the log-sum-exp. Learned sink logits are left out: the CPU path materializes the scores for them, CUDA's
     FlexAttention keeps what those kernels keep (its sink scale is one more output-sized tensor)."""
     def attend(q, k, v, mask=None, spec=CAUSAL, sink_logits=None):
-        scale = 1.0 if sink_logits is None else 0.5  # an output-sized product, as the sinks' scale
         if v.shape[-1] >= q.shape[-1]:
-            return sdpa(q, k, v, mask, spec) * scale
-        padded = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
-        return sdpa(q, k, padded, mask, spec)[..., :v.shape[-1]] * scale
+            out = sdpa(q, k, v, mask, spec)
+        else:
+            out = sdpa(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])), mask, spec)[..., :v.shape[-1]]
+        return out if sink_logits is None else out * 0.5  # the sinks' scale: one more output-sized tensor
     return attend
 
 
