@@ -7,12 +7,21 @@ the routing tally (CPU fp32; on the default config's data, the packed corpus and
 Every comparison of logits prints its relative error and largest absolute difference (run with -s)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ON_HF, ON_PACKED, layout, reference_runs, step_figures, torchrun_runs
-from test_qwen3 import randomize, relative_error, report, run_hf, token_ids, transformers_module
+from test_qwen3 import (
+    ingot_model as family_model,
+    randomize,
+    relative_error,
+    report,
+    run_hf,
+    token_ids,
+    transformers_module,
+)
 
 import models.deepseek_v3 as deepseek_v3
 from components.checkpoint import ModelState
@@ -64,16 +73,7 @@ def transformers_logits(folder, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def ingot_model(argv: list[str], checkpoint=None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = deepseek_v3.Transformer(deepseek_v3.build_model_args(load_config(argv), VOCAB))
-    model.to_empty(device="cpu")
-    model.init_weights()
-    if checkpoint is not None:
-        with converter.one_process():
-            dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint), no_dist=True)
-    return model.eval()
+ingot_model = partial(family_model, package=deepseek_v3)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,17 +7,25 @@ routing tally (CPU fp32; on the default config's data, the packed corpus and its
 Every comparison of logits prints its relative error and largest absolute difference (run with -s)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ON_HF, ON_PACKED, layout, reference_runs, step_figures, torchrun_runs
-from test_qwen3 import randomize, relative_error, report, run_hf, token_ids, transformers_module
+from test_qwen3 import (
+    ingot_model as family_model,
+    randomize,
+    relative_error,
+    report,
+    run_hf,
+    token_ids,
+    transformers_module,
+)
 
 import models.gpt_oss as gpt_oss
 from components.attention import AttentionMask, causal_attention, document_mask
 from components.checkpoint import ModelState
-from components.config import load_config
 from components.hf import load_hf_model, read_hf_weights
 from scripts import hf as converter
 
@@ -50,16 +58,7 @@ def transformers_logits(folder, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def ingot_model(argv: list[str], checkpoint=None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = gpt_oss.Transformer(gpt_oss.build_model_args(load_config(argv), VOCAB))
-    model.to_empty(device="cpu")
-    model.init_weights()
-    if checkpoint is not None:
-        with converter.one_process():
-            dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint), no_dist=True)
-    return model.eval()
+ingot_model = partial(family_model, package=gpt_oss)
 
 
 def test_random_hf_gpt_oss_imports_with_the_same_logits(tmp_path):

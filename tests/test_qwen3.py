@@ -81,12 +81,12 @@ def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def ingot_model(argv: list[str], checkpoint: Path | None = None) -> torch.nn.Module:
-    """The model of an ingot config, initialized as train.py does on a CPU, or with the weights of a
-    DCP checkpoint."""
+def ingot_model(argv: list[str], checkpoint: Path | None = None, package=qwen3) -> torch.nn.Module:
+    """The model of an ingot config (of the family `package`), initialized as train.py does on a CPU, or with the
+    weights of a DCP checkpoint."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = qwen3.Transformer(qwen3.build_model_args(load_config(argv), VOCAB))
+        model = package.Transformer(package.build_model_args(load_config(argv), VOCAB))
     model.to_empty(device="cpu")
     model.init_weights()
     if checkpoint is not None:
