@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.attention import CAUSAL, AttentionMask, visible_keys
+from components.attention import CAUSAL, AttentionMask, visible_keys, with_sink_logits
 from parallelisms.context_parallel_documents import chunk_in_window
 
 aten = torch.ops.aten
@@ -244,10 +244,9 @@ class RingAttention(torch.autograd.Function):
                     merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = ring.finish(pending)
-        if sink_logits is not None:
-            sink = sink_logits.float()[:, None].expand_as(lse)
-            out.mul_(torch.sigmoid(lse - sink)[..., None])
-            lse = torch.logaddexp(lse, sink)
+        if sink_logits is not None:  # the output the sinks scale, and the log-sum-exp they join
+            out = with_sink_logits(out, lse, sink_logits)
+            lse = torch.logaddexp(lse, sink_logits.float()[:, None].expand_as(lse))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink_logits)
         ctx.ring, ctx.aux, ctx.documents, ctx.repeats, ctx.spec = ring, aux, documents, repeats, spec
