@@ -1,10 +1,11 @@
 """Replica groups on torchft: data-parallel replicas that fail and rejoin while the others keep training.
 
 With fault_tolerance.enable, a job is `replica_groups` separate torchrun jobs (groups), each with the same config
-but for fault_tolerance.replica_id, sharded inside by FSDP (data_parallel_shard_degree), and all of them joined
+but for fault_tolerance.replica_id, laid out inside as any run (FSDP, TP, PP, CP), and all of them joined
 by torchft: its lighthouse (`torchft_lighthouse`, one per job) forms a quorum of the live groups before every
 step, and each group's manager averages the gradients over the groups of that quorum (rank r of every group with
-rank r of the others: the same layout holds the same shard) before the step is clipped and taken. A group that
+rank r of the others: the same layout holds the same shard, of the same pipeline stage, tensor and context
+parallel rank) before the step is clipped and taken. A group that
 dies leaves the quorum at the next step; the others go on without a restart. A group that (re)joins is behind the
 quorum's step: its manager fetches the weights, optimizer, schedule, step guard and step of a live group from
 that group's same-rank process (no checkpoint read) before the step, and from then on every group takes the same
@@ -28,12 +29,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from components.config import ConfigError, FaultTolerance
 from components.metrics import MetricsLogger
+from components.moe_layer import moe_layers
 
 logger = logging.getLogger("ingot")
 
@@ -59,12 +62,6 @@ def check_replica_config(cfg: FaultTolerance, dims) -> None:
     if dims.dp_replicate > 1:
         raise ConfigError(f"parallelism.data_parallel_replicate_degree {dims.dp_replicate} with fault_tolerance: "
                           "the replica groups are the replicas; shard inside a group (data_parallel_shard_degree)")
-    # Averaging rank r with rank r holds for any layout inside a group, but only FSDP groups are tested so far.
-    others = {"tensor": dims.tp, "pipeline": dims.pp, "context": dims.cp}
-    named = [f"parallelism.{kind}_parallel_degree {degree}" for kind, degree in others.items() if degree > 1]
-    if named:
-        raise ConfigError(f"not available yet: fault_tolerance with {', '.join(named)}; shard a replica group with "
-                          "FSDP alone (data_parallel_shard_degree)")
     if "RANK" not in os.environ:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 
@@ -129,6 +126,7 @@ class ReplicaGroups:
         # The manager counts committed steps from 0; a group resumed from a checkpoint is at `step`.
         self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
         self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
+        self.moe: list[nn.Module] = []  # this rank's mixture-of-experts layers, found at the first step
         self.speaks = dist.get_rank() == 0  # each group's rank 0
         self.file_log = logging.FileHandler(folder / "log.txt") if self.speaks else None
         if self.file_log:  # several groups share a terminal: each keeps its own log too
@@ -158,21 +156,32 @@ class ReplicaGroups:
 
     def average_step(self, model_parts: list[nn.Module], loss: torch.Tensor) -> None:
         """This rank's gradients (shards of DTensor ones) and the step's loss replaced by their means over the groups
-        of this step's quorum (one all-reduce per dtype)."""
+        of this step's quorum (one all-reduce per dtype); the routing tallies of its mixture-of-experts layers by their
+        sums, so that components/routing.py moves every group's routing biases as one job's."""
         tensors = [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None] + [loss]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(group)
-            self.manager.allreduce(flat).wait()
-            for t, averaged in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                t.copy_(averaged)
+            self._all_reduce(group, ReduceOp.AVG)
+        self.moe = [moe for part in model_parts for _, moe in moe_layers(part)]
+        if self.moe:
+            self._all_reduce([t for moe in self.moe for t in (moe.tokens_per_expert, moe.aux_loss_sum, moe.forwards)],
+                             ReduceOp.SUM)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp) -> None:
+        flat = torch._utils._flatten_dense_tensors(tensors)
+        self.manager.allreduce(flat, reduce_op=op).wait()
+        for t, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+            t.copy_(reduced)
 
     def should_commit(self, step: int) -> bool:
         """Whether every group of the quorum got through this step; if not, it is taken again with the next batch."""
         error = self.manager.errored()
         committed = self.manager.should_commit()
+        if not committed:
+            for moe in self.moe:  # what this attempt routed is not the step's
+                moe.reset_tally()
         if not committed and self.speaks:
             cause = "a collective with another group failed" if error else "another rank of this group failed"
             logger.warning(f"step {step} not committed by the replica groups ({cause}): taken again with this "

@@ -68,8 +68,6 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
         # rank would need the tokens of the next rank's share, whose embeddings the extra depths read.
         raise ConfigError(f"not available yet: multi-token prediction ({depths} extra depths: model.num_mtp_layers) "
                           f"with pipeline or context parallelism; set model.num_mtp_layers 0 for such a layout")
-    if config.fault_tolerance.enable and has_moe_layer(model):  # each group's routing biases would drift apart
-        raise ConfigError("not available yet: fault_tolerance with a mixture-of-experts model")
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:

@@ -225,6 +225,19 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
+def whole(norm: torch.Tensor) -> torch.Tensor:
+    """A 2-norm, a DTensor partial over some mesh dimensions, made whole: its square summed over each of them, then
+    the root (DTensor's full_tensor would take the root after each dimension, and warns that it reduces a
+    2-D mesh's in sequence)."""
+    if not isinstance(norm, DTensor):
+        return norm
+    squared = norm.to_local() ** 2
+    for dim, placement in enumerate(norm.placements):
+        if placement.is_partial():
+            torch.distributed.all_reduce(squared, group=norm.device_mesh.get_group(dim))
+    return squared.sqrt()
+
+
 def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
 
@@ -237,8 +250,7 @@ def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> to
     norms = []
     for params in groups:
         reduce_partial_grads(params)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(whole(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)))
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         squared = norm**2

@@ -258,12 +258,12 @@ class MoE(nn.Module):
         # Each (token, choice) slot, sorted by expert: the experts see their tokens contiguously.
         order = flat.argsort(stable=True)
         routed = self.dispatcher(self.experts, tokens[order // self.args.top_k], counts)
-        slots = torch.empty_like(routed).index_copy_(0, order, routed)
-        slots = slots.view(-1, self.args.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)
-        out = slots.sum(1)
+        slots = torch.empty_like(routed).index_copy_(0, order, routed).view(batch, seq, self.args.top_k, dim)
+        # Summed over each token's choices into (batch, seq, dim): a tensor of its own, not a view of one (FSDP2 warns
+        # that an in-place op on a view returned by a module it wraps would skip its backward hook).
+        out = (slots * weights.view(batch, seq, -1, 1).to(slots.dtype)).sum(2)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        out = out.view(batch, seq, dim)
+            out = out + self.shared_experts(x)
         if self.training:
             aux, z = self.balancing_losses(logits, scores, experts, batch)
             record_routing(self, counts, aux)

@@ -1,5 +1,5 @@
-"""Every shell command of README.md and docs/*.md, run in order in a scratch copy of the repository:
-tests/test_docs_run_in_order.py, or by hand
+"""Every shell command of README.md and docs/*.md, run as a reader types them, in order, in one scratch clone
+of the repository: tests/test_docs_run_in_order.py, or by hand
 
     python tests/docs_commands.py [--repo DIR] [--report FILE]
 
@@ -15,35 +15,32 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 - `# needs GPUs`, `# needs a cluster`, `# needs network` (any comment starting with `needs `): not run; the
   report lists it as skipped, with the comment as the reason;
 - `# exits N`: exit status N and no Python traceback; a refusal (N = 2) in at most 15 lines of output;
+- `# trains nothing...`: a training that finds its run finished; any other command that says "nothing
+  trained" (a relaunch of a finished run, train.py's line) is not doing what its text says;
 - any other command: exit status 0.
 
-Each runs with bash in a scratch copy of the repository (the files git sees: tracked, and untracked but not
+Each runs with bash in one scratch clone of the repository (the files git sees: tracked, and untracked but not
 ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md run
-first, in order, in one copy; then each other document runs whole and in order in a fresh copy of that one, LANES
-documents at once (the cores would otherwise idle through the commands' single-threaded start-up and their waits;
-the other pytest-xdist worker shares them), the longest first. A command thus finds what README.md,
-getting_started.md and the earlier commands of its own document wrote, nothing else: what a reader who follows the
-README and then one document sees. A document's copy (checkpoints hard-linked: a gigabyte of them by then) is
-deleted when its commands all did as documented.
+first, in order; then the other documents, each whole and in order, LANES at once (the cores would otherwise idle
+through the commands' single-threaded start-up and their waits; the other pytest-xdist worker shares them), the
+longest first. A command thus finds what README.md, getting_started.md and the earlier commands of its own
+document wrote, as a reader who follows the README and then any page finds it; the documents keep to their own
+dump folders (`shared_folders`, a test). The clone is deleted when every command did as documented.
+Training commands run exactly as typed: the documents give their examples few steps and a folder of their own.
 What the runner changes, and why:
 - The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
   command (split at `&&`) are dropped and the rest runs in this environment; a command with nothing else
   is skipped.
 - `python -m pytest` only collects the suite (`--collect-only -q`): running it would run this test again.
-- Steps are cut short. `run_train.sh` and `train.py` get `--training.steps K+1` appended (a later override
-  wins), K being the newest checkpoint step in the run's dump folder (0 without one): a run that resumes
-  trains a step too, rather than finding nothing to do. A run sent to the background is not cut: it is
-  the run the next command stops. The tools run fewer and shorter trainings (TOOL_CUTS): the benchmark
-  its baseline case only, for 3 steps; autotune 4 candidates (batch 4 or 8, AC none or full, no compile)
-  of 2 steps; coord_check 2 steps; the CP attention benchmark 512 tokens at degrees 1 and 2. In the scratch
-  copy, the sweep files (train_configs/sweeps/) keep the first value of each grid key and their first
-  [[runs]], of 1 step each (tests/test_sweep.py runs the rest of what a sweep does); the ladder files
-  (train_configs/ladders/) keep their first 2 rungs and the held-out ones (a fit needs 2 runs), their first
-  token budget, a 32nd of each, with 2 warm-up steps and no bootstrap (losses this close to the initial ones
-  give the resamples nothing to fit); both validate on 2 batches.
-  Each command still starts its processes as documented: that, not the steps, is most of its time.
-- A checkpoint `DIR/checkpoint/step-N` that a command names but the cut-short runs did not write stands
-  for DIR's newest checkpoint.
+- Tools that train many runs, each in a folder of its own, run fewer and shorter ones, their documented
+  runs taking minutes (TOOL_CUTS): the benchmark its baseline case only, for 3 steps; autotune 4 candidates
+  (batch 4 or 8, AC none or full, no compile) of 2 steps; coord_check 2 steps; the CP attention benchmark
+  512 tokens at degrees 1 and 2. In the clone, the sweep files (train_configs/sweeps/) keep the first value
+  of each grid key and their first [[runs]], of 1 step each (tests/test_sweep.py runs the rest of what a
+  sweep does); the ladder files (train_configs/ladders/) keep their first 2 rungs and the held-out ones (a fit
+  needs 2 runs), their first token budget, a 32nd of each, with 2 warm-up steps and no bootstrap (losses this
+  close to the initial ones give the resamples nothing to fit); both validate on 2 batches. Each cut changes
+  how many runs a tool makes and how long, never what a run finds in its folder.
 """
 
 from __future__ import annotations
@@ -52,7 +49,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -73,23 +69,23 @@ else:
 REPO = Path(__file__).resolve().parent.parent
 FENCES = ("```bash", "```sh", "```shell")
 STEPS = 1
-"""What a cut-short training trains past its newest checkpoint: a second step costs a tenth of a 1-process run."""
+"""The steps of each run of a cut sweep."""
 VALIDATION_STEPS = 2
 INSTALL = re.compile(r"(python3? -m venv|\. \.venv/bin/activate|pip install)\b")
-TRAINING = re.compile(r"(^|[\s/])(run_train\.sh|train\.py)(\s|$)")
 TOOL_CUTS = {
     "scripts.benchmark": "--steps 3 --warmup 1 --cases 'debug default'",
     "scripts.autotune": "--steps 2 --batch-sizes 4,8 --ac-modes none,full --compile off",
     "scripts.coord_check": "--steps 2",
     "scripts.benchmark.cp_attention_memory": "--seq 512 --degrees 1 2",
 }
-CHECKPOINT = re.compile(r"([\w./-]+)/checkpoint/step-(\d+)")
 REFUSED, MAX_REFUSAL_LINES = 2, 15
 TIMEOUT = 900  # seconds per command
 TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
 LANES = 2
+NOTHING_TRAINED = "nothing trained"
+"""What train.py logs when a launch finds its run finished."""
 
 
 @dataclass(frozen=True)
@@ -192,57 +188,22 @@ def read_commands(repo: Path) -> list[Command]:
     return commands
 
 
-def checkpoint_steps(folder: Path) -> list[int]:
-    return [int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*") if p.name[5:].isdigit()]
-
-
-def newest_step(words: list[str], scratch: Path) -> int:
-    """The newest checkpoint step in the dump folder of a training command (0 without one)."""
-    program = next(i for i, word in enumerate(words) if TRAINING.search(word))
-    env = dict(word.split("=", 1) for word in words[:program] if "=" in word)
-    args = words[program + 1:]
-
-    def last(key: str) -> str | None:
-        values = [value for flag, value in zip(args, args[1:]) if flag == f"--{key}"]
-        return values[-1] if values else None
-
-    folder = last("job.dump_folder")
-    if folder is None:
-        name = last("job.config_file") or env.get("CONFIG_FILE", "train_configs/debug_model.toml")
-        config = next((p for p in (scratch / name, scratch / "train_configs" / name) if p.is_file()), None)
-        if config is None:  # the command will say so itself
-            return 0
-        folder = tomllib.loads(config.read_text()).get("job", {}).get("dump_folder", "outputs")
-    return max(checkpoint_steps(scratch / folder), default=0)
-
-
 def _segments(text: str) -> list[tuple[int, int]]:
     """(start, end) of each simple command of `text`, between unquoted `;`, `&`, `|` and line breaks."""
     bounds = [i for i in _unquoted(text)[0] if text[i] in ";&|\n"]
     return list(zip([0, *(i + 1 for i in bounds)], [*bounds, len(text)]))
 
 
-def as_run(command: Command, scratch: Path) -> str:
+def as_run(command: Command) -> str:
     """The command with the runner's changes (see the module's docstring); empty when nothing is left."""
     text = " && ".join(part for part in re.split(r"\s*&&\s*", command.text) if not INSTALL.match(part))
     text = text.replace("python -m pytest", "python -m pytest --collect-only -q")
     for start, end in reversed(_segments(text)):
         segment = text[start:end].rstrip()
         extra = next((flags for tool, flags in TOOL_CUTS.items() if f"-m {tool} " in f"{segment} "), "")
-        background = text[end:end + 1] == "&" and text[end:end + 2] != "&&"
-        if TRAINING.search(segment) and not background:
-            extra = f"--training.steps {newest_step(shlex.split(segment), scratch) + STEPS}"
         if extra:
             text = f"{segment} {extra}".join((text[:start], text[start + len(segment):]))
-    return CHECKPOINT.sub(lambda m: _existing_checkpoint(m, scratch), text)
-
-
-def _existing_checkpoint(match: re.Match, scratch: Path) -> str:
-    folder, step = match[1], match[2]
-    steps = checkpoint_steps(scratch / folder)
-    if int(step) in steps or not steps:
-        return match[0]
-    return f"{folder}/checkpoint/step-{max(steps)}"
+    return text
 
 
 def copy_repository(repo: Path, scratch: Path) -> None:
@@ -307,12 +268,15 @@ def check(command: Command, status: int, output: str) -> str:
     lines = len(output.splitlines())
     if command.expected == REFUSED and lines > MAX_REFUSAL_LINES:
         return f"refused in {lines} lines (at most {MAX_REFUSAL_LINES})"
+    trained_nothing = next((line for line in output.splitlines() if NOTHING_TRAINED in line), None)
+    if trained_nothing and not command.mark.startswith("trains nothing"):
+        return f"trained nothing, its text not saying so: {trained_nothing.strip()}"
     return ""
 
 
 def run(text: str, scratch: Path) -> tuple[int, str, float]:
     """Run `text` with bash in `scratch`; the exit status, the output (stdout and stderr) and the CPU seconds of
-    bash and the processes it waited for (os.wait4's account of the one child; lanes run at once)."""
+    bash and the processes it waited for (os.wait4's account of the one child)."""
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                         "OMP_NUM_THREADS": "1"}  # a lane's commands keep to a core: threads that wait for each
     # other on a busy machine crawl (docs/benchmarks.md)
@@ -338,7 +302,7 @@ def run(text: str, scratch: Path) -> tuple[int, str, float]:
 
 
 def run_command(command: Command, scratch: Path) -> Outcome:
-    ran = "" if command.skip else as_run(command, scratch)
+    ran = "" if command.skip else as_run(command)
     if not ran:
         return Outcome(command)
     start = time.perf_counter()
@@ -354,42 +318,39 @@ def by_document(commands: list[Command]) -> dict[str, list[Command]]:
     return dict(sorted(documents.items(), key=lambda item: -sum(not c.skip for c in item[1])))
 
 
-def _link_checkpoints(source: str, destination: str) -> None:
-    """copytree's copy function: the files of a checkpoint (in its step-N folder) are hard links, since nothing
-    writes into a finished checkpoint (a save writes a new folder and renames it); the rest is copied."""
-    if re.fullmatch(r"step-\d+", Path(source).parent.name):
-        os.link(source, destination)
-    else:
-        shutil.copy2(source, destination)
-
-
 def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
                  progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
-    """Copy `repo` into `scratch` and run its documented commands there (the module's docstring says in which
-    copies and in what order); one Outcome each, in the documents' order. `progress` sees each as it ends."""
-    first = scratch / "first"
-    copy_repository(repo, first)
-    commands = read_commands(first)
+    """Copy `repo` to `scratch`/clone and run its documented commands there (the module's docstring says in which
+    order); one Outcome each, in the documents' order. `progress` sees each as it ends. The clone goes when every
+    command did as documented."""
+    clone = scratch / "clone"
+    copy_repository(repo, clone)
+    commands = read_commands(clone)
     outcomes: dict[Command, Outcome] = {}
 
-    def run_in(folder: Path, document: list[Command]) -> None:
+    def run_in_order(document: list[Command]) -> None:
         for command in document:
-            outcomes[command] = run_command(command, folder)
+            outcomes[command] = run_command(command, clone)
             progress(outcomes[command])
 
-    def run_document(number: int, document: list[Command]) -> None:
-        folder = scratch / f"document-{number}"
-        shutil.copytree(first, folder, symlinks=True, copy_function=_link_checkpoints)
-        run_in(folder, document)
-        if not any(outcomes[c].problem for c in document):
-            shutil.rmtree(folder, ignore_errors=True)
-
-    run_in(first, [c for c in commands if c.document in FIRST])
-    others = by_document([c for c in commands if c.document not in FIRST]).values()
+    run_in_order([c for c in commands if c.document in FIRST])
     with ThreadPoolExecutor(lanes) as pool:
-        for done in [pool.submit(run_document, number, document) for number, document in enumerate(others)]:
+        others = by_document([c for c in commands if c.document not in FIRST]).values()
+        for done in [pool.submit(run_in_order, document) for document in others]:
             done.result()
+    if not any(o.problem for o in outcomes.values()):
+        shutil.rmtree(clone, ignore_errors=True)
     return [outcomes[c] for c in commands]
+
+
+def shared_folders(commands: list[Command]) -> dict[str, list[str]]:
+    """Dump folders (--job.dump_folder) that commands of two documents name, with the documents: documents after
+    FIRST run at once in one clone, so each must keep to its own."""
+    users: dict[str, set[str]] = {}
+    for command in commands:
+        for folder in re.findall(r"--job\.dump_folder[ =](\S+)", command.text):
+            users.setdefault(folder, set()).add(command.document)
+    return {folder: sorted(documents) for folder, documents in users.items() if len(documents) > 1}
 
 
 def _cell(text: str) -> str:

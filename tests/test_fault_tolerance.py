@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, free_port, losses, metric_lines, torchrun
+from conftest import REPO, TINY, free_port, losses, metric_lines, step_figures, torchrun
 from fault_injection import kill_tree
 
 pytestmark = pytest.mark.slow
@@ -42,13 +42,14 @@ def lighthouse():
 
 
 def start_group(group: int, nproc: int, dump: Path, lighthouse: str, log: Path, steps: int,
-                pause: Path | None = None) -> subprocess.Popen:
-    """One group's ./run_train.sh; with `pause`, the same launcher running train.py with a short sleep in every
-    step and a wait while the file `pause` exists (tests/fault_injection.py): the test holds it back meanwhile."""
+                pause: Path | None = None, layout: tuple[str, ...] = ()) -> subprocess.Popen:
+    """One group's ./run_train.sh, laid out inside by `layout`; with `pause`, the same launcher running train.py
+    with a short sleep in every step and a wait while the file `pause` exists (tests/fault_injection.py): the test
+    holds it back meanwhile."""
     env = dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     args = [*TINY, *FT, "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse,
-            "--training.steps", str(steps), "--job.dump_folder", str(dump)]
+            "--training.steps", str(steps), "--job.dump_folder", str(dump), *layout]
     command = ["./run_train.sh", *args]
     if pause:
         env |= {"INGOT_FAULT": "slow-steps:1", "INGOT_PAUSE": str(pause)}
@@ -95,16 +96,65 @@ def test_two_replica_groups_train_as_one_data_parallel_run(tmp_path, lighthouse)
     assert "took the state" not in logs[0].read_text() + logs[1].read_text()
 
 
+MOE = ("--job.config_file", "debug_moe.toml", "--model.n_layers", "2")  # the debug MoE model, TINY's shape
+GROUP_LAYOUTS = {  # inside each group of 2 processes
+    "tp2": ("--parallelism.tensor_parallel_degree", "2"),
+    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+    "cp2": ("--parallelism.context_parallel_degree", "2"),
+    "moe_ep2": (*MOE, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"),  # FSDP 2
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[bool, Path]:
+    """The runs that two groups, each reading half of a global batch of 8, should equal, dense and MoE."""
+    dumps = {moe: tmp_path_factory.mktemp("one_process") for moe in (False, True)}
+    for moe, dump in dumps.items():
+        torchrun(1, [*TINY, *(MOE if moe else ()), "--training.steps", str(STEPS), "--training.local_batch_size", "8",
+                     "--job.dump_folder", str(dump)])
+    return dumps
+
+
+@pytest.mark.parametrize("name", GROUP_LAYOUTS)
+def test_replica_groups_of_any_layout_and_moe_models_train_as_one_process(tmp_path, lighthouse, one_process, name):
+    """Rank r of one group averages its gradients with rank r of the other, the same shard of the same stage, and
+    sums its routing tally with it: the groups move their routing biases as one job."""
+    logs = [tmp_path / f"group{g}.log" for g in (0, 1)]
+    address = lighthouse(min_replicas=2)
+    groups = [start_group(g, 2, tmp_path / "ft", address, logs[g], STEPS, layout=GROUP_LAYOUTS[name])
+              for g in (0, 1)]
+    assert [g.wait(timeout=600) for g in groups] == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    replica, reference = [tmp_path / "ft" / f"replica_{g}" for g in (0, 1)], one_process[MOE[1] in GROUP_LAYOUTS[name]]
+    assert losses(replica[0]) == losses(replica[1])
+    assert losses(replica[0]) == pytest.approx(losses(reference), rel=1e-5)
+    if "moe" in name:  # the routing: every group's biases moved by the tally of all
+        got, expected = step_figures(replica[0]), step_figures(reference)
+        assert [got[s]["moe_max_load"] for s in got] == pytest.approx([expected[s]["moe_max_load"] for s in got],
+                                                                      rel=1e-5)
+    assert_same_weights(replica[0], replica[1], STEPS)
+    if "moe" in name:
+        biases = {k: v for k, v in final_weights(replica[0], STEPS).items() if "expert_bias" in k}
+        assert biases and any(b.abs().sum() > 0 for b in biases.values())
+
+
 def step_lines(log: Path) -> list[int]:
     return [int(line.split("step")[1].split()[0]) for line in log.read_text().splitlines() if "  loss  " in line]
 
 
-def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse):
-    """Each group two processes, FSDP (groups of one process: the test above). Group 1's launcher and workers are
-    SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on alone, saying so; group 1, relaunched,
-    reads no checkpoint, takes group 0's state, and ends with its weights. (Group 1 first joins group 0 the same
-    way.) Group 0 is held back between its steps while group 1 starts, and again while it starts again, so that
-    group 0 cannot run far ahead or finish first on a busy machine."""
+REJOINING = {"fsdp2": (), **{name: GROUP_LAYOUTS[name] for name in ("tp2", "pp2", "moe_ep2")}}
+"""The layouts whose state a rejoining group takes in another form: FSDP shards; TP's shards of other dimensions;
+a pipeline stage's part of the model; experts split by EP, with their routing biases. (CP shards the state as FSDP
+does.)"""
+
+
+@pytest.mark.parametrize("layout", REJOINING.values(), ids=REJOINING)
+def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_path, lighthouse, layout):
+    """Each group two processes, FSDP or another layout (groups of one process: the test above). Group 1's
+    launcher and workers are SIGKILLed after a random number (2 to 4) of its steps; group 0 goes on alone, saying so;
+    group 1, relaunched, reads no checkpoint, takes group 0's state, and ends with its weights (routing biases
+    included). (Group 1 first joins group 0 the same way.) Group 0 is held back between its steps while group 1
+    starts, and again while it starts again, so that group 0 cannot run far ahead or finish first on a busy
+    machine."""
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
     dump, steps, pause, address = tmp_path / "ft", 30, tmp_path / "hold_group0", lighthouse(min_replicas=1)
     nproc = 2
@@ -117,11 +167,11 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
             time.sleep(0.05)
 
     pause.touch()  # group 0 waits after its first step until group 1 has started: group 1 joins it, not the reverse
-    survivor = start_group(0, nproc, dump, address, logs[0], steps, pause)
+    survivor = start_group(0, nproc, dump, address, logs[0], steps, pause, layout)
     started = [survivor]
     try:
         wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)
-        started.append(victim := start_group(1, nproc, dump, address, logs[1], steps))
+        started.append(victim := start_group(1, nproc, dump, address, logs[1], steps, layout=layout))
         wait_for(lambda: "replica group 1 of 2" in logs[1].read_text(), victim)  # its manager is up
         pause.unlink()
         kill_after = random.randint(2, 4)
@@ -131,7 +181,7 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
         killed_at = step_lines(logs[1])[-1]
         wait_for(lambda: max(step_lines(logs[0]), default=0) >= killed_at + 3, survivor)
         pause.touch()
-        started.append(relaunched := start_group(1, nproc, dump, address, logs[2], steps))
+        started.append(relaunched := start_group(1, nproc, dump, address, logs[2], steps, layout=layout))
         wait_for(lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
         pause.unlink()
         assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
@@ -176,16 +226,3 @@ def test_fault_tolerance_refuses_at_start_up_what_it_cannot_do(tmp_path, train_i
     assert train_in_process([*TINY, "--fault_tolerance.enable", "true", *args, "--job.dump_folder",
                              str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("nproc, args, message", [
-    (1, ["--job.config_file", "debug_moe.toml"], "not available yet: fault_tolerance with a mixture-of-experts model"),
-    (2, ["--parallelism.tensor_parallel_degree", "2"],
-     "not available yet: fault_tolerance with parallelism.tensor_parallel_degree 2"),
-], ids=["moe", "tensor_parallel"])
-def test_fault_tolerance_refuses_under_torchrun_what_it_cannot_do(tmp_path, nproc, args, message):
-    env = dict(os.environ, NGPU=str(nproc), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    result = subprocess.run(["./run_train.sh", *args, "--fault_tolerance.enable", "true", "--job.dump_folder",
-                             str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert message in result.stderr
