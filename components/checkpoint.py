@@ -188,10 +188,11 @@ def unreadable_part(path: Path, error: CheckpointException) -> ConfigError | Non
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, dump_folder: Path, model_parts: list[nn.Module], optimizers: Stateful,
                  lr_schedule: Stateful, dataloader, train_state: TrainState, step_guard: Stateful, total_steps: int,
-                 device: torch.device, load_hf: Callable[[Path], None], run_record: dict | None = None):
+                 device: torch.device, load_hf: Callable[[Path], None], run_record: dict | None = None,
+                 outer_step: Stateful | None = None):
         """`load_hf(path)` loads the weights of a Hugging Face folder into the model parts
         (components.hf.load_hf_weights), for an initial_load_path that is one. `run_record` is written
-        into every checkpoint as run.json."""
+        into every checkpoint as run.json. `outer_step`: DiLoCo's state (components/diloco.py), saved too."""
         self.cfg, self.total_steps = cfg, total_steps
         self.extra_files = {RUN_RECORD: json.dumps(run_record, indent=1)} if run_record else {}
         self.load_hf = load_hf
@@ -203,7 +204,7 @@ class CheckpointManager:
             "dataloader": dataloader,
             "train_state": train_state,
             "step_guard": step_guard,
-        }
+        } | ({"outer_step": outer_step} if outer_step is not None else {})
         excludable = [name for name in self.states if name != "train_state"]
         unknown = [name for name in cfg.exclude_from_loading if name not in excludable]
         if unknown:
@@ -305,12 +306,19 @@ class CheckpointManager:
         if "step_guard" in states and not any(key.startswith("step_guard.") for key in saved):
             logger.warning(f"{path} predates the step guard's state: its counters and spike window start empty")
             states = {name: state for name, state in states.items() if name != "step_guard"}
+        fresh_outer_step = "outer_step" in states and not any(key.startswith("outer_step.") for key in saved)
+        if fresh_outer_step:
+            logger.info(f"{path} holds no DiLoCo state (fault_tolerance.semi_sync_method): the groups start their "
+                        "first interval from its weights")
+            states = {name: state for name, state in states.items() if name != "outer_step"}
         start = time.perf_counter()
         try:
             dcp.load(states, checkpoint_id=str(path))
         except CheckpointException as e:
             raise unreadable_part(path, e) or e from None
         logger.info(f"resumed from {path} in {time.perf_counter() - start:.1f}s")
+        if fresh_outer_step:
+            self.states["outer_step"].snapshot()
         self.last_saved = step
         return self.states["train_state"].step
 

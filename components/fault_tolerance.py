@@ -1,15 +1,17 @@
 """Replica groups on torchft: data-parallel replicas that fail and rejoin while the others keep training.
 
 With fault_tolerance.enable, a job is `replica_groups` separate torchrun jobs (groups), each with the same config
-but for fault_tolerance.replica_id, laid out inside as any run (FSDP, TP, PP, CP), and all of them joined
-by torchft: its lighthouse (`torchft_lighthouse`, one per job) forms a quorum of the live groups before every
-step, and each group's manager averages the gradients over the groups of that quorum (rank r of every group with
-rank r of the others: the same layout holds the same shard, of the same pipeline stage, tensor and context
-parallel rank) before the step is clipped and taken. A group that
-dies leaves the quorum at the next step; the others go on without a restart. A group that (re)joins is behind the
-quorum's step: its manager fetches the weights, optimizer, schedule, step guard and step of a live group from
-that group's same-rank process (no checkpoint read) before the step, and from then on every group takes the same
-update from the same weights: bitwise the same weights.
+but for fault_tolerance.replica_id, laid out inside as any run (FSDP, TP, PP, CP, EP), and all of them joined by
+torchft: its lighthouse (`torchft_lighthouse`, one per job) forms a quorum of the live groups before every step,
+and each group's manager averages the gradients over the groups of that quorum (rank r of every group with rank r
+of the others: the same layout holds the same shard, of the same pipeline stage, tensor and context parallel rank)
+before the step is clipped and taken. A group that dies leaves the quorum at the next step; the others go on without
+a restart. A group that (re)joins is behind the quorum's step: its manager fetches the weights, optimizer, schedule,
+step guard and step of a live group from that group's same-rank process (no checkpoint read) before the step, and
+from then on every group takes the same update from the same weights: bitwise the same weights.
+
+With fault_tolerance.semi_sync_method diloco the quorums are those of DiLoCo's synchronisations instead, every
+sync_every steps (components/diloco.py); a group (re)joins at the next one.
 
 Each group writes into <job.dump_folder>/replica_<id>: its own log (log.txt; its lines carry the group, [g<id>
 rank<r>]), metrics and checkpoints. A group that took a live group's state keeps the records it logged before and
@@ -35,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from components.config import ConfigError, FaultTolerance
+from components.diloco import OuterStep
 from components.metrics import MetricsLogger
 from components.moe_layer import moe_layers
 
@@ -55,6 +58,9 @@ def data_share(cfg: FaultTolerance, dims) -> tuple[int, int]:
 
 def check_replica_config(cfg: FaultTolerance, dims) -> None:
     if not cfg.enable:
+        if cfg.semi_sync_method != "none":
+            raise ConfigError(f"fault_tolerance.semi_sync_method {cfg.semi_sync_method} synchronises replica groups: "
+                              "set fault_tolerance.enable true and launch each group (docs/reliability.md)")
         return
     if cfg.replica_id >= cfg.replica_groups:
         raise ConfigError(f"fault_tolerance.replica_id {cfg.replica_id} is not a group of replica_groups "
@@ -66,9 +72,18 @@ def check_replica_config(cfg: FaultTolerance, dims) -> None:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 
 
-def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
-                   folder: Path, device: torch.device) -> ReplicaGroups | NoReplicas:
-    return ReplicaGroups(cfg, checkpointed, step, metrics, folder, device) if cfg.enable else NoReplicas()
+def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, total_steps: int,
+                   metrics: MetricsLogger, folder: Path, device: torch.device) -> ReplicaGroups | NoReplicas:
+    """`checkpointed`: the run's checkpointed states by name (components/checkpoint.py), under DiLoCo an
+    `outer_step` (components/diloco.py) among them."""
+    if not cfg.enable:
+        return NoReplicas()
+    return ReplicaGroups(cfg, checkpointed, step, total_steps, metrics, folder, device)
+
+
+def outer_step(cfg: FaultTolerance, model_parts: list[nn.Module]) -> OuterStep | None:
+    """DiLoCo's state, to checkpoint with the run; None without DiLoCo."""
+    return OuterStep(model_parts, cfg) if cfg.enable and cfg.semi_sync_method == "diloco" else None
 
 
 class NoReplicas:
@@ -83,6 +98,9 @@ class NoReplicas:
     def should_commit(self, step: int) -> bool:
         return True
 
+    def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -90,10 +108,11 @@ class NoReplicas:
 class ReplicaGroups:
     """This process's side of the replica groups: its torchft manager, which takes part in the quorum of every
     step (start_step), averages the step over the groups of the quorum (average_step) and says whether the step may be
-    taken (should_commit); and `states`, what a (re)joining group takes from a live one."""
+    taken (should_commit), or under DiLoCo in the quorum of every synchronisation (after_step); and `states`, what a
+    (re)joining group takes from a live one."""
 
-    def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
-                 folder: Path, device: torch.device):
+    def __init__(self, cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, total_steps: int,
+                 metrics: MetricsLogger, folder: Path, device: torch.device):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's server logs every quorum and commit at info
         for name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -123,8 +142,14 @@ class ReplicaGroups:
             lighthouse_addr=cfg.lighthouse or None, replica_id=f"ingot_{cfg.replica_id}",
             init_sync=False,  # every group starts from the same weights: they are a function of the seed
         )
-        # The manager counts committed steps from 0; a group resumed from a checkpoint is at `step`.
-        self.manager.load_state_dict({"step": step, "batches_committed": step * cfg.replica_groups})
+        # The manager counts its commits from 0: a group resumed from a checkpoint is at `step`, or under DiLoCo at
+        # its count of quorums (one a synchronisation); a group behind the others at a quorum takes their state.
+        self.outer: OuterStep | None = checkpointed.get("outer_step")
+        self.sync_every, self.total_steps, self.error = cfg.sync_every, total_steps, False
+        if self.outer is not None and step == 0:
+            self.outer.snapshot()  # the weights as initialised or loaded (checkpoint.initial_load_path)
+        commits = self.outer.quorums if self.outer is not None else step
+        self.manager.load_state_dict({"step": commits, "batches_committed": commits * cfg.replica_groups})
         self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
         self.moe: list[nn.Module] = []  # this rank's mixture-of-experts layers, found at the first step
         self.speaks = dist.get_rank() == 0  # each group's rank 0
@@ -137,56 +162,116 @@ class ReplicaGroups:
                     "group's step, if one is ahead, replaces this group's start at the first quorum")
 
     def start_step(self) -> None:
-        """Join this step's quorum. A group behind the quorum takes a live group's state here (self._load)."""
+        """Join this step's quorum (under DiLoCo, the job's next synchronisation, once a launch). A group behind the
+        quorum takes a live group's state here (self._load)."""
+        if self.outer is None:
+            self._quorum()
+        elif not self.joined:
+            self._synchronise()
+
+    def _quorum(self) -> tuple[int, bool]:
+        """Start a quorum. Returns the step this group is at after it, and whether it took a live group's state."""
         start = time.perf_counter()
         self.manager.start_quorum()
-        step = self.states["train_state"].step
-        if self.took_state:
+        step, took_state = self.states["train_state"].step, self.took_state
+        if took_state:
             logger.info(f"replica group {self.group_id} took the state of step {step} from a live group in "
                         f"{time.perf_counter() - start:.2f}s (quorum and transfer)")
-        if self.took_state or not self.joined:
-            self.metrics.continue_after(step, self.took_state)
+        if took_state or not self.joined:
+            self.metrics.continue_after(step, took_state)
         self.took_state, self.joined = False, True
         participants = self.manager.num_participants()
         if participants != self.participants and self.speaks:
             away = self.groups - participants
-            logger.warning(f"step {self.manager.current_step() + 1}: {participants} of {self.groups} replica groups "
-                           f"take part" + (f"; the share of the {away} away is not trained" if away > 0 else ""))
+            logger.warning(f"step {step + 1}: {participants} of {self.groups} replica groups take part"
+                           + (f"; the share of the {away} away is not trained" if away > 0 else ""))
             self.participants = participants
+        return step, took_state
 
     def average_step(self, model_parts: list[nn.Module], loss: torch.Tensor) -> None:
         """This rank's gradients (shards of DTensor ones) and the step's loss replaced by their means over the groups
         of this step's quorum (one all-reduce per dtype); the routing tallies of its mixture-of-experts layers by their
-        sums, so that components/routing.py moves every group's routing biases as one job's."""
+        sums, so that components/routing.py moves every group's routing biases as one job's. Under DiLoCo each group
+        steps alone: nothing."""
+        if self.outer is not None:
+            return
         tensors = [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None] + [loss]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            self._all_reduce(group, ReduceOp.AVG)
+        self._all_reduce(tensors, ReduceOp.AVG)
         self.moe = [moe for part in model_parts for _, moe in moe_layers(part)]
         if self.moe:
             self._all_reduce([t for moe in self.moe for t in (moe.tokens_per_expert, moe.aux_loss_sum, moe.forwards)],
                              ReduceOp.SUM)
 
     def _all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp) -> None:
-        flat = torch._utils._flatten_dense_tensors(tensors)
-        self.manager.allreduce(flat, reduce_op=op).wait()
-        for t, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-            t.copy_(reduced)
+        """Reduce `tensors` in place over the groups of the quorum, one all-reduce per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            self.manager.allreduce(flat, reduce_op=op).wait()
+            for t, reduced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                t.copy_(reduced)
 
     def should_commit(self, step: int) -> bool:
-        """Whether every group of the quorum got through this step; if not, it is taken again with the next batch."""
-        error = self.manager.errored()
-        committed = self.manager.should_commit()
+        """Whether every group of the quorum got through this step; if not, it is taken again with the next batch.
+        Under DiLoCo a step is this group's alone: always."""
+        if self.outer is not None:
+            return True
+        committed = self._commit()
         if not committed:
             for moe in self.moe:  # what this attempt routed is not the step's
                 moe.reset_tally()
-        if not committed and self.speaks:
-            cause = "a collective with another group failed" if error else "another rank of this group failed"
-            logger.warning(f"step {step} not committed by the replica groups ({cause}): taken again with this "
-                           "group's next batch; this attempt's batch is not trained")
+            self._not_committed(f"step {step}", "taken again with this group's next batch; this attempt's batch is "
+                                                "not trained")
         return committed
+
+    def _commit(self) -> bool:
+        self.error = self.manager.errored()
+        return self.manager.should_commit()
+
+    def _not_committed(self, what: str, consequence: str) -> None:
+        if self.speaks:
+            cause = "a collective with another group failed" if self.error else "another rank of this group failed"
+            logger.warning(f"{what} not committed by the replica groups ({cause}): {consequence}")
+
+    def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
+        """In the training loop (components/in_loop.py): under DiLoCo, every sync_every steps and after the last,
+        the groups synchronise."""
+        if self.outer is not None and (step % self.sync_every == 0 or step == self.total_steps):
+            self._synchronise()
+        return {}
+
+    def _synchronise(self) -> None:
+        """DiLoCo's synchronisation (components/diloco.py), at a quorum: the groups average their pseudo-gradients
+        and take the outer step, unless they are all where they last synchronised (a job starting, or resumed from a
+        checkpoint of that step): the quorum puts them all at one step and one state, so they agree. A group that took
+        its state at this quorum has moved nowhere of its own and counts for nothing in the mean."""
+        start = time.perf_counter()
+        step, took_state = self._quorum()
+        moves = step > self.outer.last_sync
+        if moves:
+            pseudo = self.outer.pseudo_gradients()
+            shards = [_local(t) for t in pseudo.values()]
+            contributes = torch.ones((), device=shards[0].device) * (not took_state)
+            for shard in shards:
+                shard.mul_(contributes)
+            self._all_reduce([contributes], ReduceOp.SUM)
+            self._all_reduce(shards, ReduceOp.SUM)
+            for shard in shards:
+                shard.div_(contributes.clamp(min=1))
+        if not self._commit():
+            self.outer.restore()
+            self._not_committed(f"the synchronisation of step {step}", "every group goes back to the weights of the "
+                                "last one, the steps since are not trained")
+            return
+        self.outer.quorums = self.manager.current_step()
+        if moves:
+            self.outer.step(pseudo, step)
+            if self.speaks:
+                size = sum(shard.numel() * shard.element_size() for shard in shards)
+                logger.info(f"step {step}: {int(contributes.item())} of {self.groups} replica groups synchronised "
+                            f"({size / 2**20:.1f} MiB of pseudo-gradients a rank, {time.perf_counter() - start:.2f}s)")
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)

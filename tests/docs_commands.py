@@ -84,7 +84,7 @@ TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
 LANES = 2
-NOTHING_TRAINED = "nothing trained"
+NOTHING_TRAINED = "nothing trained: the checkpoint in"
 """What train.py logs when a launch finds its run finished."""
 
 
@@ -319,10 +319,10 @@ def by_document(commands: list[Command]) -> dict[str, list[Command]]:
 
 
 def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
-                 progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
+                 progress: Callable[[Outcome], None] = lambda outcome: None, keep: bool = False) -> list[Outcome]:
     """Copy `repo` to `scratch`/clone and run its documented commands there (the module's docstring says in which
     order); one Outcome each, in the documents' order. `progress` sees each as it ends. The clone goes when every
-    command did as documented."""
+    command did as documented, unless `keep`."""
     clone = scratch / "clone"
     copy_repository(repo, clone)
     commands = read_commands(clone)
@@ -338,7 +338,7 @@ def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
         others = by_document([c for c in commands if c.document not in FIRST]).values()
         for done in [pool.submit(run_in_order, document) for document in others]:
             done.result()
-    if not any(o.problem for o in outcomes.values()):
+    if not keep and not any(o.problem for o in outcomes.values()):
         shutil.rmtree(clone, ignore_errors=True)
     return [outcomes[c] for c in commands]
 

@@ -4,11 +4,12 @@ commands' processes' start-up, and the README's quick start (200 steps); its rep
 command's CPU seconds."""
 
 import re
+import shutil
 import subprocess
 
 import docs_commands
 import pytest
-from conftest import REPO
+from conftest import REPO, metric_lines
 from docs_commands import TIMED_OUT, read_commands, report, run, run_commands, shared_folders
 
 
@@ -20,17 +21,26 @@ def describe(outcome) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_documented_commands_run_in_order(tmp_path):
-    outcomes = run_commands(REPO, tmp_path / "repo")
+    outcomes = run_commands(REPO, tmp_path / "repo", keep=True)
     (tmp_path / "report.md").write_text(report(outcomes))
     assert [o for o in outcomes if o.ran], "no documented command ran"
     failed = [o for o in outcomes if o.problem]
     assert not failed, f"{len(failed)} command(s) not as documented (report: {tmp_path / 'report.md'}):\n\n" + (
         "\n\n".join(describe(o) for o in failed))
-    # docs/getting_started.md: "The loss falls from 8.8 to about 5.3 (the mean of the last 10 steps)".
+    # The README's quick start, as README.md and docs/getting_started.md describe it.
     quick_start = next(o for o in outcomes if o.command.document == "README.md" and o.ran == "./run_train.sh")
     losses = [float(loss) for loss in re.findall(r"step +\d+ +loss +([\d.]+)", quick_start.output)]
-    assert len(losses) == 200 and round(losses[0], 1) == 8.8, losses[:3]
-    assert sum(losses[-10:]) / 10 == pytest.approx(5.3, abs=0.15), losses[-10:]
+    assert len(losses) == 200 and round(losses[0], 1) == 8.8, losses[:3]  # "from 8.8 to about 5.3 (the mean of
+    assert sum(losses[-10:]) / 10 == pytest.approx(5.3, abs=0.15), losses[-10:]  # the last 10 steps)"
+    assert "no MFU on cpu" in quick_start.output and " mfu " not in quick_start.output  # "a CPU run logs none"
+    run = tmp_path / "repo" / "clone" / "outputs" / "debug_model"
+    metrics = metric_lines(run)
+    assert [m["step"] for m in metrics] == list(range(1, 201)) and all(m["mfu"] is None for m in metrics)
+    assert {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib", "skipped_steps",
+            "nonfinite_steps", "spike_steps", "param_norm"} <= set(metrics[0])
+    assert list((run / "tb").glob("events.out.tfevents.*")) and (run / "config.toml").read_text().startswith("# git")
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-100", "step-200"]
+    shutil.rmtree(tmp_path / "repo" / "clone")  # a gigabyte of checkpoints
 
 
 def test_the_documents_run_in_one_clone_after_the_readme_and_a_command_that_trains_nothing_must_say_so(tmp_path):

@@ -218,10 +218,88 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
         assert "GET /checkpoint" not in log.read_text() and "Warning" not in log.read_text(), log.read_text()[-3000:]
 
 
+DILOCO = ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_every", "4")
+
+
+def synchronisations(log: Path) -> list[tuple[int, int]]:
+    """(step, groups taking part) of each DiLoCo synchronisation a group logged."""
+    return [(int(line.split("step ")[1].split(":")[0]), int(line.split(": ")[1].split(" of ")[0]))
+            for line in log.read_text().splitlines() if "replica groups synchronised" in line]
+
+
+def test_diloco_groups_synchronise_every_interval_and_train_as_well_as_groups_synchronised_every_step(
+        tmp_path, lighthouse):
+    """Two groups of one process, 16 steps, synchronising every 4 (fault_tolerance.sync_every): four exchanges of
+    one model's worth of pseudo-gradients (a quarter of the all-reduces that averaging gradients every step makes),
+    bitwise the same weights in both groups after the last, and about the losses of training on the same tokens
+    synchronised at every step (one process at the global batch of both groups)."""
+    steps, logs = 16, [tmp_path / f"group{g}.log" for g in (0, 1)]
+    address = lighthouse(min_replicas=2)
+    groups = [start_group(g, 1, tmp_path / "ft", address, logs[g], steps, layout=DILOCO) for g in (0, 1)]
+    assert [g.wait(timeout=600) for g in groups] == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+    assert synchronisations(logs[0]) == synchronisations(logs[1]) == [(4, 2), (8, 2), (12, 2), (16, 2)]
+    replica = [tmp_path / "ft" / f"replica_{g}" for g in (0, 1)]
+    assert losses(replica[0]) != losses(replica[1])  # each group trains apart, on its own share
+    assert_same_weights(replica[0], replica[1], steps)
+    synchronous = torchrun(1, [*TINY, "--training.steps", str(steps), "--training.local_batch_size", "8",
+                               "--job.dump_folder", str(tmp_path / "synchronous")])
+    assert synchronous.returncode == 0
+    last = [sum(list(losses(folder).values())[-4:]) / 4 for folder in (*replica, tmp_path / "synchronous")]
+    assert (last[0] + last[1]) / 2 == pytest.approx(last[2], rel=0.05), last
+
+
+def test_a_diloco_group_killed_mid_interval_rejoins_at_the_next_synchronisation(tmp_path, lighthouse):
+    """Group 1 joins group 0 at its first synchronisation, is SIGKILLed in the next interval, and relaunched joins
+    again at a later synchronisation, taking group 0's state (no checkpoint read); group 0 trains every step,
+    synchronising alone while group 1 is away, and both end with the same weights. Group 0 is held back while group 1
+    starts and while it starts again (tests/fault_injection.py), so that it cannot finish first on a busy machine."""
+    logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
+    dump, steps, pause, address = tmp_path / "ft", 24, tmp_path / "hold_group0", lighthouse(min_replicas=1)
+
+    def wait_for(condition, process):
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert process.poll() is None and time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs
+                                                                            if log.exists()]
+            time.sleep(0.05)
+
+    pause.touch()
+    started = [survivor := start_group(0, 1, dump, address, logs[0], steps, pause, DILOCO)]
+    try:
+        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)
+        started.append(victim := start_group(1, 1, dump, address, logs[1], steps, layout=DILOCO))
+        wait_for(lambda: "replica group 1 of 2" in logs[1].read_text(), victim)
+        pause.unlink()
+        wait_for(lambda: max(step_lines(logs[1]), default=0) >= 6, victim)  # joined, then into its second interval
+        kill_tree(victim.pid)
+        victim.wait()
+        wait_for(lambda: max(step_lines(logs[0]), default=0) >= 13, survivor)
+        pause.touch()
+        started.append(relaunched := start_group(1, 1, dump, address, logs[2], steps, layout=DILOCO))
+        wait_for(lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
+        pause.unlink()
+        assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
+        assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+    finally:
+        for process in started:
+            if process.poll() is None:
+                kill_tree(process.pid)
+
+    synced = synchronisations(logs[0])
+    assert [step for step, _ in synced] == [4, 8, 12, 16, 20, 24] and (12, 1) in synced and synced[-1] == (24, 2)
+    rejoined = logs[2].read_text()
+    joined_at = int(rejoined.split("took the state of step ")[1].split()[0])
+    assert joined_at % 4 == 0 and joined_at > 12 and "resuming" not in rejoined
+    assert [m["step"] for m in metric_lines(dump / "replica_0")] == list(range(1, steps + 1))
+    assert_same_weights(dump / "replica_0", dump / "replica_1", steps)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id 2 is not a group of replica_groups 2"),
     ([], "fault_tolerance needs torchrun's store: launch each group with ./run_train.sh"),
-], ids=["replica_id_out_of_range", "without_torchrun"])
+    (["--fault_tolerance.enable", "false", "--fault_tolerance.semi_sync_method", "diloco"],
+     "fault_tolerance.semi_sync_method diloco synchronises replica groups: set fault_tolerance.enable true"),
+], ids=["replica_id_out_of_range", "without_torchrun", "diloco_without_groups"])
 def test_fault_tolerance_refuses_at_start_up_what_it_cannot_do(tmp_path, train_in_process, capsys, args, message):
     assert train_in_process([*TINY, "--fault_tolerance.enable", "true", *args, "--job.dump_folder",
                              str(tmp_path)]) == 2

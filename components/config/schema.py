@@ -411,6 +411,17 @@ class FaultTolerance:
     """http://host:port of the job's torchft_lighthouse; empty: the TORCHFT_LIGHTHOUSE environment variable."""
     timeout_seconds: int = 60
     """How long a group waits for a quorum, the groups' all-reduce and a joining group's state transfer."""
+    semi_sync_method: str = "none"
+    """none: the groups average their gradients every step; diloco: each group trains alone for sync_every steps,
+    then the groups average their pseudo-gradients (how far each moved its weights since the last synchronisation)
+    and take one outer Nesterov SGD step from the weights they started the interval with (DiLoCo,
+    arXiv:2311.08105): 1/sync_every of the communication."""
+    sync_every: int = 20
+    """diloco: the inner steps between two synchronisations."""
+    outer_lr: float = 0.7
+    """diloco: the outer SGD's learning rate (the paper's)."""
+    outer_momentum: float = 0.9
+    """diloco: the outer SGD's Nesterov momentum (the paper's)."""
 
 
 @dataclass
@@ -454,6 +465,7 @@ CHOICES = {
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "float8.recipe_name": ("tensorwise", "rowwise"),
     "moe.aux_loss_type": ("sequence", "global"),
+    "fault_tolerance.semi_sync_method": ("none", "diloco"),
 }
 
 
@@ -485,6 +497,7 @@ RANGES = {
     "comm.init_timeout_seconds": COUNT, "comm.train_timeout_seconds": COUNT,
     "comm.trace_buf_size": Range(0, note="0: no flight recorder"), "fault_tolerance.timeout_seconds": COUNT,
     "fault_tolerance.replica_id": NON_NEGATIVE, "fault_tolerance.replica_groups": COUNT,
+    "fault_tolerance.sync_every": COUNT, "fault_tolerance.outer_lr": POSITIVE, "fault_tolerance.outer_momentum": DECAY,
 }
 """The allowed range of every numeric key outside [model] (a family's model keys carry theirs, `Model.ranges`),
 checked by load_config once the file and overrides are applied."""
