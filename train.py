@@ -33,14 +33,7 @@ from components.data.loaders import build_dataloader
 from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT, exit_process
-from components.fault_tolerance import (
-    NoReplicas,
-    ReplicaGroups,
-    data_share,
-    outer_step,
-    replica_folder,
-    replica_groups,
-)
+from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, outer_step, replica_folder, replica_groups
 from components.garbage_collection import GarbageCollection
 from components.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
 from components.hf import load_hf_weights
@@ -142,9 +135,8 @@ def train(config: Config, signals: StopSignals) -> int:
     logger.info(step_guard.describe())
     checkpointer = CheckpointManager(
         config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
-        training.steps, device, run_record=record,
-        load_hf=partial(load_hf_weights, model_parts=model_parts, package=model_package, args=model_args),
-        outer_step=outer_step(config.fault_tolerance, model_parts))
+        training.steps, device, run_record=record, outer_step=outer_step(config.fault_tolerance, model_parts),
+        load_hf=partial(load_hf_weights, model_parts=model_parts, package=model_package, args=model_args))
     if config.checkpoint.create_seed_checkpoint:  # one process (components/layout_checks.py)
         logger.info(f"config written to {dump_config(config, dump_folder, 0)}")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
@@ -161,8 +153,7 @@ def train(config: Config, signals: StopSignals) -> int:
                             resume_step=None if config.fault_tolerance.enable else start_step)  # groups: at a quorum
     if rank == 0:  # only now: a launch refused at start-up (W&B's included) leaves the folder as it was
         logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
-    replicas = replica_groups(config.fault_tolerance, checkpointer.states, start_step, training.steps, metrics,
-                              dump_folder, device)
+    replicas = replica_groups(config, checkpointer.states, start_step, metrics, dump_folder, device)
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     # What each step adds to its record (components/in_loop.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)

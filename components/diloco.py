@@ -22,15 +22,14 @@ class OuterStep(Stateful):
     (components.checkpoint.ModelState: every floating-point entry, the routing biases of mixture-of-experts layers
     included), next to the weights on their own devices: one more copy of this rank's
     shards, and one of the momentum. Checkpointed with the run, and taken by a rejoining group with the rest of a live
-    group's state. `last_sync`: the step of the last synchronisation; `quorums`: the torchft manager's count of them,
-    which decides at a quorum which groups are behind."""
+    group's state. `last_sync`: the step of the last synchronisation."""
 
     def __init__(self, model_parts: list[nn.Module], cfg: FaultTolerance):
         self.model, self.lr, self.momentum = ModelState(model_parts), cfg.outer_lr, cfg.outer_momentum
         self.start = {}
         self.snapshot()
         self.velocity = {name: torch.zeros_like(weight) for name, weight in self.start.items()}
-        self.last_sync = self.quorums = 0
+        self.last_sync = 0
 
     def snapshot(self) -> None:
         """Start the interval from the model's weights as they are (a fresh run's, once initialised or loaded)."""
@@ -57,7 +56,7 @@ class OuterStep(Stateful):
         self.model.load_state_dict(self.start)
 
     def state_dict(self) -> dict:
-        return {"start": self.start, "velocity": self.velocity, "last_sync": self.last_sync, "quorums": self.quorums}
+        return {"start": self.start, "velocity": self.velocity, "last_sync": self.last_sync}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -65,4 +64,4 @@ class OuterStep(Stateful):
             for name, value in mine.items():
                 if theirs[name] is not value:  # DCP loads in place; a live group's state comes as new tensors
                     value.copy_(theirs[name])
-        self.last_sync, self.quorums = state_dict["last_sync"], state_dict["quorums"]
+        self.last_sync = state_dict["last_sync"]

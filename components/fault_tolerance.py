@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from components.config import ConfigError, FaultTolerance
+from components.config import Config, ConfigError, FaultTolerance
 from components.diloco import OuterStep
 from components.metrics import MetricsLogger
 from components.moe_layer import moe_layers
@@ -72,13 +72,13 @@ def check_replica_config(cfg: FaultTolerance, dims) -> None:
         raise ConfigError("fault_tolerance needs torchrun's store: launch each group with ./run_train.sh")
 
 
-def replica_groups(cfg: FaultTolerance, checkpointed: dict[str, Stateful], step: int, total_steps: int,
-                   metrics: MetricsLogger, folder: Path, device: torch.device) -> ReplicaGroups | NoReplicas:
+def replica_groups(config: Config, checkpointed: dict[str, Stateful], step: int, metrics: MetricsLogger,
+                   folder: Path, device: torch.device) -> ReplicaGroups | NoReplicas:
     """`checkpointed`: the run's checkpointed states by name (components/checkpoint.py), under DiLoCo an
     `outer_step` (components/diloco.py) among them."""
-    if not cfg.enable:
+    if not config.fault_tolerance.enable:
         return NoReplicas()
-    return ReplicaGroups(cfg, checkpointed, step, total_steps, metrics, folder, device)
+    return ReplicaGroups(config.fault_tolerance, checkpointed, step, config.training.steps, metrics, folder, device)
 
 
 def outer_step(cfg: FaultTolerance, model_parts: list[nn.Module]) -> OuterStep | None:
@@ -142,14 +142,11 @@ class ReplicaGroups:
             lighthouse_addr=cfg.lighthouse or None, replica_id=f"ingot_{cfg.replica_id}",
             init_sync=False,  # every group starts from the same weights: they are a function of the seed
         )
-        # The manager counts its commits from 0: a group resumed from a checkpoint is at `step`, or under DiLoCo at
-        # its count of quorums (one a synchronisation); a group behind the others at a quorum takes their state.
         self.outer: OuterStep | None = checkpointed.get("outer_step")
         self.sync_every, self.total_steps, self.error = cfg.sync_every, total_steps, False
         if self.outer is not None and step == 0:
             self.outer.snapshot()  # the weights as initialised or loaded (checkpoint.initial_load_path)
-        commits = self.outer.quorums if self.outer is not None else step
-        self.manager.load_state_dict({"step": commits, "batches_committed": commits * cfg.replica_groups})
+        self._at_step(step)
         self.participants, self.took_state, self.metrics, self.joined = cfg.replica_groups, False, metrics, False
         self.moe: list[nn.Module] = []  # this rank's mixture-of-experts layers, found at the first step
         self.speaks = dist.get_rank() == 0  # each group's rank 0
@@ -168,6 +165,11 @@ class ReplicaGroups:
             self._quorum()
         elif not self.joined:
             self._synchronise()
+
+    def _at_step(self, step: int) -> None:
+        """The manager's step, which decides at a quorum which groups are behind (they take the state of one that
+        is not): the training step, also under DiLoCo, where the manager would count synchronisations."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
 
     def _quorum(self) -> tuple[int, bool]:
         """Start a quorum. Returns the step this group is at after it, and whether it took a live group's state."""
@@ -238,18 +240,22 @@ class ReplicaGroups:
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
         """In the training loop (components/in_loop.py): under DiLoCo, every sync_every steps and after the last,
         the groups synchronise."""
-        if self.outer is not None and (step % self.sync_every == 0 or step == self.total_steps):
+        if self.outer is not None and self._synchronises_at(step):
             self._synchronise()
         return {}
 
+    def _synchronises_at(self, step: int) -> bool:
+        return step % self.sync_every == 0 or step == self.total_steps
+
     def _synchronise(self) -> None:
         """DiLoCo's synchronisation (components/diloco.py), at a quorum: the groups average their pseudo-gradients
-        and take the outer step, unless they are all where they last synchronised (a job starting, or resumed from a
-        checkpoint of that step): the quorum puts them all at one step and one state, so they agree. A group that took
-        its state at this quorum has moved nowhere of its own and counts for nothing in the mean."""
+        and take the outer step, unless their step is none of a synchronisation or the one of the last (a job
+        starting, or resumed from a checkpoint): the quorum puts them all at one step and one state, so they agree. A
+        group that took its state at this quorum has moved nowhere of its own and counts for nothing in the mean."""
         start = time.perf_counter()
+        self._at_step(self.states["train_state"].step)
         step, took_state = self._quorum()
-        moves = step > self.outer.last_sync
+        moves = self._synchronises_at(step) and step > self.outer.last_sync
         if moves:
             pseudo = self.outer.pseudo_gradients()
             shards = [_local(t) for t in pseudo.values()]
@@ -265,7 +271,6 @@ class ReplicaGroups:
             self._not_committed(f"the synchronisation of step {step}", "every group goes back to the weights of the "
                                 "last one, the steps since are not trained")
             return
-        self.outer.quorums = self.manager.current_step()
         if moves:
             self.outer.step(pseudo, step)
             if self.speaks:
