@@ -137,6 +137,15 @@ def test_replica_groups_of_any_layout_and_moe_models_train_as_one_process(tmp_pa
         assert biases and any(b.abs().sum() > 0 for b in biases.values())
 
 
+def wait_for(logs: list[Path], condition, process: subprocess.Popen) -> None:
+    """Until `condition()`, while `process` runs, for 300 s at most (the groups' logs in the failure)."""
+    deadline = time.monotonic() + 300
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs
+                                                                        if log.exists()]
+        time.sleep(0.05)
+
+
 def step_lines(log: Path) -> list[int]:
     return [int(line.split("step")[1].split()[0]) for line in log.read_text().splitlines() if "  loss  " in line]
 
@@ -159,30 +168,23 @@ def test_a_killed_group_rejoins_from_a_live_group_while_the_other_trains_on(tmp_
     dump, steps, pause, address = tmp_path / "ft", 30, tmp_path / "hold_group0", lighthouse(min_replicas=1)
     nproc = 2
 
-    def wait_for(condition, process):
-        deadline = time.monotonic() + 300
-        while not condition():
-            assert process.poll() is None and time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs
-                                                                            if log.exists()]
-            time.sleep(0.05)
-
     pause.touch()  # group 0 waits after its first step until group 1 has started: group 1 joins it, not the reverse
     survivor = start_group(0, nproc, dump, address, logs[0], steps, pause, layout)
     started = [survivor]
     try:
-        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)
+        wait_for(logs, lambda: "training steps 1 to" in logs[0].read_text(), survivor)
         started.append(victim := start_group(1, nproc, dump, address, logs[1], steps, layout=layout))
-        wait_for(lambda: "replica group 1 of 2" in logs[1].read_text(), victim)  # its manager is up
+        wait_for(logs, lambda: "replica group 1 of 2" in logs[1].read_text(), victim)  # its manager is up
         pause.unlink()
         kill_after = random.randint(2, 4)
-        wait_for(lambda: len(step_lines(logs[1])) >= kill_after, victim)
+        wait_for(logs, lambda: len(step_lines(logs[1])) >= kill_after, victim)
         kill_tree(victim.pid)
         victim.wait()
         killed_at = step_lines(logs[1])[-1]
-        wait_for(lambda: max(step_lines(logs[0]), default=0) >= killed_at + 3, survivor)
+        wait_for(logs, lambda: max(step_lines(logs[0]), default=0) >= killed_at + 3, survivor)
         pause.touch()
         started.append(relaunched := start_group(1, nproc, dump, address, logs[2], steps, layout=layout))
-        wait_for(lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
+        wait_for(logs, lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
         pause.unlink()
         assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
         assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
@@ -256,27 +258,20 @@ def test_a_diloco_group_killed_mid_interval_rejoins_at_the_next_synchronisation(
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
     dump, steps, pause, address = tmp_path / "ft", 24, tmp_path / "hold_group0", lighthouse(min_replicas=1)
 
-    def wait_for(condition, process):
-        deadline = time.monotonic() + 300
-        while not condition():
-            assert process.poll() is None and time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs
-                                                                            if log.exists()]
-            time.sleep(0.05)
-
     pause.touch()
     started = [survivor := start_group(0, 1, dump, address, logs[0], steps, pause, DILOCO)]
     try:
-        wait_for(lambda: "training steps 1 to" in logs[0].read_text(), survivor)
+        wait_for(logs, lambda: "training steps 1 to" in logs[0].read_text(), survivor)
         started.append(victim := start_group(1, 1, dump, address, logs[1], steps, layout=DILOCO))
-        wait_for(lambda: "replica group 1 of 2" in logs[1].read_text(), victim)
+        wait_for(logs, lambda: "replica group 1 of 2" in logs[1].read_text(), victim)
         pause.unlink()
-        wait_for(lambda: max(step_lines(logs[1]), default=0) >= 6, victim)  # joined, then into its second interval
+        wait_for(logs, lambda: max(step_lines(logs[1]), default=0) >= 6, victim)  # joined, into its 2nd interval
         kill_tree(victim.pid)
         victim.wait()
-        wait_for(lambda: max(step_lines(logs[0]), default=0) >= 13, survivor)
+        wait_for(logs, lambda: max(step_lines(logs[0]), default=0) >= 13, survivor)
         pause.touch()
         started.append(relaunched := start_group(1, 1, dump, address, logs[2], steps, layout=DILOCO))
-        wait_for(lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
+        wait_for(logs, lambda: "replica group 1 of 2" in logs[2].read_text(), relaunched)
         pause.unlink()
         assert survivor.wait(timeout=600) == 0, logs[0].read_text()[-3000:]
         assert relaunched.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
