@@ -26,7 +26,6 @@ class OuterStep(Stateful):
 
     def __init__(self, model_parts: list[nn.Module], cfg: FaultTolerance):
         self.model, self.lr, self.momentum = ModelState(model_parts), cfg.outer_lr, cfg.outer_momentum
-        self.start = {}
         self.snapshot()
         self.velocity = {name: torch.zeros_like(weight) for name, weight in self.start.items()}
         self.last_sync = 0

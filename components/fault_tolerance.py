@@ -262,8 +262,7 @@ class ReplicaGroups:
             contributes = torch.ones((), device=shards[0].device) * (not took_state)
             for shard in shards:
                 shard.mul_(contributes)
-            self._all_reduce([contributes], ReduceOp.SUM)
-            self._all_reduce(shards, ReduceOp.SUM)
+            self._all_reduce([contributes, *shards], ReduceOp.SUM)  # one all-reduce where they share a dtype
             for shard in shards:
                 shard.div_(contributes.clamp(min=1))
         if not self._commit():
