@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from components.config import ConfigError, load_config
 from scripts.benchmark.cases import PRESETS, Case
 from scripts.benchmark.run import Result, cpu_load, device_name, git_commit, run_case, train_argv
 from scripts.benchmark.torchtitan_run import run_torchtitan
+from scripts.benchmark.trace_summary import summarize
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -51,6 +53,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--case-flags", action="append", default=[], metavar="CASE=FLAGS",
                         help="more train.py flags for one case, e.g. 'debug default=--training.seq_len 128'")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run (default 600)")
+    parser.add_argument("--traces", type=Path, metavar="DIR",
+                        help="2 more steps per case under torch.profiler (left out of the figures): each case's "
+                             "chrome trace in DIR, and where each step's time goes in DIR/summary.md")
     return parser.parse_known_args(argv)
 
 
@@ -134,28 +139,36 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device_name(), "torch": torch.__version__, "commit": git_commit(), "preset": opts.preset,
               "steps": steps, "warmup": warmup, "extra_flags": extra, "cpu_load": cpu_load()}
     results = []
+    if opts.traces:
+        opts.traces.mkdir(parents=True, exist_ok=True)
+        (opts.traces / "summary.md").write_text(f"# Where a step's time goes: {report['device']}, torch "
+                                                f"{report['torch']}, commit {report['commit']}\n\n")
     with tempfile.TemporaryDirectory(prefix="ingot-benchmark-") as tmp:
         for i, case in enumerate(cases, 1):
             say(f"[{i}/{len(cases)}] {case.name}")
             flags, dump = extra + case_flags.get(case.name, []), Path(tmp) / f"case-{i}"
-            result = run_case(case, flags, steps, warmup, opts.timeout, dump)
+            trace = opts.traces / (re.sub(r"[^A-Za-z0-9.-]+", "_", case.name) + ".json") if opts.traces else None
+            result = run_case(case, flags, steps, warmup, opts.timeout, dump, trace)
             say(f"  {progress(result.status, result.tokens_per_second)}"
                 + (f" ({result.wall_seconds:.0f} s)" if result.wall_seconds is not None else ""))
+            if result.trace:
+                with open(opts.traces / "summary.md", "a") as summary:
+                    summary.write(summarize(json.loads(trace.read_text()), case.name) + "\n")
             if opts.torchtitan and result.wall_seconds is not None:  # the ingot case ran
                 titan = run_torchtitan(train_argv(case, flags, steps, dump), result.processes, warmup, opts.timeout,
                                        Path(tmp) / f"torchtitan-{i}")
                 say(f"  torchtitan: {progress(titan['status'], titan.get('tokens_per_second'))}")
                 result.torchtitan = titan
             results.append(result)
+            if opts.json:  # after every case: a benchmark cut short keeps what it measured
+                report["cases"] = [dataclasses.asdict(r) for r in results]
+                opts.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"ingot benchmark, preset {opts.preset}: {report['device']} | torch {report['torch']} | commit "
           f"{report['commit']} | {steps} steps per case, the first {warmup} left out"
           + (f" | {report['cpu_load']} at the start" if report["cpu_load"] else ""))
     print(table(results))
     if opts.torchtitan:
         print("\n" + torchtitan_table(results))
-    if opts.json:
-        report["cases"] = [dataclasses.asdict(r) for r in results]
-        opts.json.write_text(json.dumps(report, indent=2) + "\n")
     statuses = [r.status for r in results] + [r.torchtitan["status"] for r in results if r.torchtitan]
     return EXIT_FAILED if any(status.startswith("failed") for status in statuses) else 0
 

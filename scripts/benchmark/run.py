@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -25,6 +26,8 @@ from scripts.sweep.launch import ERROR_LINE, error_summary
 # After the user's flags, so that they always hold: a metrics record every step, nothing else written.
 RUN_FLAGS = ("--checkpoint.enable", "false", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
              "--validation.enable", "false")
+TRACED_STEPS = 2
+"""With a trace: the profiler warms up for one more step and records the next; both are left out of the figures."""
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Result:
     command: list[str] = field(default_factory=list)
     torchtitan: dict | None = None
     """With --torchtitan: the same figures of torchtitan's run, or its status."""
+    trace: str | None = None
+    """With --traces: the chrome trace of one step after the measured ones."""
 
 
 def device_name() -> str:
@@ -140,10 +145,20 @@ def train_argv(case: Case, extra: list[str], steps: int, dump: Path) -> list[str
     return [*case.flags, *extra, "--training.steps", str(steps), *RUN_FLAGS, "--job.dump_folder", str(dump)]
 
 
-def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: float, dump: Path) -> Result:
-    """Train `case` for `steps` steps in a fresh process and summarize the steps after the first `warmup`."""
+def profiling_flags(last_step: int) -> list[str]:
+    """torch.profiler on for the last TRACED_STEPS steps of a run of `last_step` steps."""
+    return ["--profiling.enable_profiling", "true", "--profiling.profile_freq", str(last_step),
+            "--profiling.profiler_warmup", str(TRACED_STEPS - 1), "--profiling.profiler_active", "1"]
+
+
+def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: float, dump: Path,
+             trace: Path | None = None) -> Result:
+    """Train `case` for `steps` steps in a fresh process and summarize the steps after the first `warmup`;
+    with `trace`, TRACED_STEPS more steps under the profiler, whose chrome trace (rank 0's) is copied to `trace`."""
     processes = process_count(case)
-    argv = train_argv(case, extra, steps, dump)
+    if trace is not None:
+        extra = [*extra, *profiling_flags(steps + TRACED_STEPS)]
+    argv = train_argv(case, extra, steps + (TRACED_STEPS if trace is not None else 0), dump)
     result = Result(case.name, processes=processes, command=launch_command(processes, ["train.py", *argv]))
     try:
         config = load_config(argv)
@@ -159,7 +174,11 @@ def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: flo
     rc = run_logged(result.command, dump / "run.log", timeout)
     result.wall_seconds = time.perf_counter() - start
     records, _ = read_metrics(dump / "metrics.jsonl")
-    kept = [r for r in records if r["step"] > warmup]
+    kept = [r for r in records if warmup < r["step"] <= steps]
+    written = dump / config.profiling.save_traces_folder / f"step-{steps + TRACED_STEPS}" / "rank0_trace.json"
+    if trace is not None and written.exists():
+        shutil.copyfile(written, trace)
+        result.trace = str(trace)
     if rc != 0:
         result.status = failure(rc, dump / "run.log", timeout)
     elif not kept:
