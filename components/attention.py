@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from components.data.documents import document_positions
+from components.protocols import provides
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,6 @@ class AttentionMask:
 CAUSAL = AttentionMask()
 
 
-@runtime_checkable
 class AttentionLayer(Protocol):
     """What context parallelism and the Hugging Face export's check read of an attention module, found by these
     attributes, not by class or name: where every attention kernel attaches."""
@@ -91,7 +91,7 @@ class AttentionLayer(Protocol):
 
 def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:
     """(name, layer) of every attention layer inside `module`."""
-    return ((name, m) for name, m in module.named_modules() if isinstance(m, AttentionLayer))
+    return ((name, m) for name, m in module.named_modules() if provides(m, AttentionLayer))
 
 
 def visible_keys(document_ids: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor,
@@ -243,8 +243,15 @@ def _declared_block_mask(seq: int, spec: AttentionMask, device: str) -> BlockMas
     def declared(b, h, q_idx, kv_idx):
         return spec.allows(q_idx, kv_idx)
 
-    return create_block_mask(declared, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
-                             _compile=device.startswith("cuda"))
+    return block_mask(declared, None, seq, seq, torch.device(device))
+
+
+def block_mask(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """create_block_mask, compiled on CUDA: eager, it evaluates mask_mod on every (query, key) pair at once,
+    gigabytes at seq 8192. Inside a compiled block it is traced as it is: its `_compile` flag warns (deprecated
+    since torch 2.11), which breaks the graph."""
+    compiled = device.type == "cuda" and not torch.compiler.is_compiling()
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compiled)
 
 
 def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
@@ -265,10 +272,7 @@ def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
             key_in_document = None if within is None else within[b, kv_idx]
             return spec.allows(q_idx, kv_idx, key_in_document) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-        # Compiled on CUDA: eager, the mask is built from a dense (batch, seq, seq) evaluation of
-        # mask_mod, gigabytes at seq 8192.
-        return create_block_mask(same_document, B=batch, H=None, Q_LEN=seq, KV_LEN=seq,
-                                 device=document_ids.device, _compile=document_ids.device.type == "cuda")
+        return block_mask(same_document, batch, seq, seq, document_ids.device)
     positions = torch.arange(seq, device=document_ids.device)
     return visible_keys(document_ids, positions, positions, spec)[:, None]
 

@@ -10,13 +10,14 @@ layer is assumed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from components.protocols import provides
 
-@runtime_checkable
+
 class MoELayer(Protocol):
     num_experts: int
     experts: nn.Module
@@ -43,7 +44,11 @@ class MoELayer(Protocol):
 
 def moe_layers(module: nn.Module) -> Iterator[tuple[str, MoELayer]]:
     """(name, layer) of every mixture-of-experts layer inside `module`."""
-    return ((name, m) for name, m in module.named_modules() if isinstance(m, MoELayer))
+    return ((name, m) for name, m in module.named_modules() if is_moe_layer(m))
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    return provides(module, MoELayer)
 
 
 def has_moe_layer(module: nn.Module) -> bool:

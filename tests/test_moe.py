@@ -3,6 +3,7 @@ losses and bias, and expert parallelism on 2 and 4 gloo processes matching one p
 and gradients, fp32)."""
 
 import gc
+import inspect
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from components.moe_layer import MoELayer, has_moe_layer, moe_layers
+from components.protocols import members
 from components.routing import RoutingTally
 from models.moe import MoE, MoEArgs
 from parallelisms.expert_parallel import apply_expert_parallel
@@ -56,6 +59,17 @@ def test_moe_matches_a_per_token_reference(args):
     moe.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))  # the bias changes the choice, not the weights
     x = torch.randn(3, 5, DIM)
     torch.testing.assert_close(moe(x), reference(moe, x), **TOL)
+
+
+def test_moe_layers_are_found_by_their_members_although_a_static_lookup_misses_them():
+    """The layer's experts are a submodule and its tallies buffers, which nn.Module keeps in its own dictionaries:
+    Python 3.12's isinstance against a runtime-checkable Protocol (inspect.getattr_static) does not see them, and
+    found no MoE layer on the GPU machines. moe_layers asks the module (hasattr)."""
+    block = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), tiny_moe())
+    assert [name for name, _ in moe_layers(block)] == ["1"] and has_moe_layer(block)
+    assert not has_moe_layer(torch.nn.Sequential(torch.nn.Linear(DIM, DIM)))
+    missed = [name for name in members(MoELayer) if inspect.getattr_static(block[1], name, None) is None]
+    assert {"experts", "expert_bias", "tokens_per_expert"} <= set(missed), missed
 
 
 def test_group_limited_routing_chooses_the_best_experts_of_the_best_groups():

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
-from components.moe_layer import MoELayer
+from components.moe_layer import is_moe_layer
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
@@ -79,7 +79,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{prefix}.ffn_norm": SequenceParallel(),
         }
         feed_forward = f"{prefix}.feed_forward"
-        if isinstance(block.feed_forward, MoELayer):
+        if is_moe_layer(block.feed_forward):
             plan[feed_forward] = moe_tensor_parallel_plan()
         else:
             plan |= {
@@ -96,7 +96,8 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
     fsdp = uses_fsdp(config, dims)
     if config.float8.enable:
         convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, *KEPT_IN_HIGH_PRECISION],
-                          device, config.float8.enable_fsdp_float8_all_gather and fsdp)
+                          device, config.float8.enable_fsdp_float8_all_gather and fsdp,
+                          skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         if model.args.n_heads % dims.tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "

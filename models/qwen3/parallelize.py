@@ -20,7 +20,7 @@ from components.attention import qk_norm_tensor_parallel_plan
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
 from components.layout_checks import uses_fsdp
-from components.moe_layer import MoELayer
+from components.moe_layer import is_moe_layer
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
@@ -75,7 +75,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{prefix}.attention.wo": Rowwise(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
         }
-        if isinstance(block.feed_forward, MoELayer):
+        if is_moe_layer(block.feed_forward):
             plan[f"{prefix}.feed_forward"] = moe_tensor_parallel_plan()
         else:
             plan |= {
@@ -93,7 +93,8 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     fsdp = uses_fsdp(config, dims)
     if config.float8.enable:
         convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, ROUTER], device,
-                          config.float8.enable_fsdp_float8_all_gather and fsdp)
+                          config.float8.enable_fsdp_float8_all_gather and fsdp,
+                          skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         check_tp_fits(model, dims.tp)
         # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
