@@ -26,11 +26,13 @@ def benchmark(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_tiny_preset_reports_every_case_and_a_failing_one(tmp_path):
-    """One run of the tiny preset with its middle case broken (a model shape train.py rejects): the
+    """One run of the tiny preset with its middle case broken (a model shape train.py rejects), traced: the
     table and the JSON agree, the working cases have real figures, the broken one its error line,
-    the case after it still ran, and the exit status says a case failed."""
-    out = tmp_path / "benchmark.json"
-    result = benchmark("--preset", "tiny", "--json", str(out), "--case-flags", "debug AC full=--model.n_heads 7")
+    the case after it still ran, and the exit status says a case failed. Each working case left a chrome
+    trace of one step after the measured ones (FSDP's: rank 0's), summarized in summary.md."""
+    out, traces = tmp_path / "benchmark.json", tmp_path / "traces"
+    result = benchmark("--preset", "tiny", "--json", str(out), "--case-flags", "debug AC full=--model.n_heads 7",
+                       "--traces", str(traces))
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     header, *table = result.stdout.strip().splitlines()
     report = json.loads(out.read_text())
@@ -59,6 +61,34 @@ def test_tiny_preset_reports_every_case_and_a_failing_one(tmp_path):
         peak = "-" if case["peak_memory_gib"] is None else f"{case['peak_memory_gib']:.2f}"
         assert cells[0].startswith(case["case"]) and cells[1] == tps and cells[3] == peak
         assert cells[2] == "-" and cells[5] == case["status"]
+
+    assert broken["trace"] is None and sorted(p.name for p in traces.iterdir()) == [
+        "debug_FSDP.json", "debug_default.json", "summary.md"]
+    for case in (default, fsdp):
+        events = json.loads((traces / case["trace"].split("/")[-1]).read_text())["traceEvents"]
+        assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#")]  # the recorded step
+    summary = (traces / "summary.md").read_text()
+    assert summary.startswith(f"# Where a step's time goes: {report['device']}, torch {torch.__version__}")
+    assert "### debug default\n\nstep " in summary and "### debug FSDP\n\nstep " in summary
+    assert "| CPU operator (inclusive time) | calls | ms | % of the step |" in summary and "aten::mm" in summary
+
+
+def test_a_trace_summary_names_the_busy_time_the_gaps_and_the_kernels_by_kind():
+    """A GPU trace made by hand: one step of 1 ms, three kernels (a matmul, a compiled Triton kernel, flash
+    attention) with one gap of 90 µs and one of 5 µs (too short to name), 2 GiB allocated at most."""
+    from scripts.benchmark.trace_summary import summarize
+
+    step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 1000}
+    kernels = [("nvjet_tst_128x256", 10, 300), ("triton_poi_fused_add_0", 400, 100), ("flash_fwd_kernel", 505, 200)]
+    memory = [{"ph": "i", "name": "[memory]", "ts": t, "args": {"Total Allocated": gib * 2**30, "Device Type": 1}}
+              for t, gib in ((5, 2), (600, 1))]
+    events = [step, *({"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels), *memory]
+    text = summarize({"traceEvents": events}, "by hand")
+    assert text.startswith("### by hand\n\nstep 1.0 ms; GPU busy 0.6 ms (60%); 1 gaps of 10 µs or more between "
+                           "kernels, 0.1 ms in all; first kernel 0.0 ms after the step began; peak allocated 2.00 GiB")
+    assert "| matmul | 0.3 | 30.0 |\n| attention | 0.2 | 20.0 |\n| Triton (compiled) | 0.1 | 10.0 |" in text
+    assert "| nvjet_tst_128x256 | 1 | 0.30 | 30.0 |" in text
+    assert "- 0.09 ms after `nvjet_tst_128x256`, before `triton_poi_fused_add_0`" in text
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -279,6 +279,8 @@ class Float8:
     """Compute the scales of all float8 weights in one go after each optimizer step."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Linear layers whose name contains one of these stay in high precision."""
+    skip_small_layers: bool = True
+    """On a GPU, leave in bf16 the Linear layers too small for float8 to pay (parallelisms/float8.py)."""
 
 
 @dataclass

@@ -79,7 +79,8 @@ def parallelize_gpt_oss(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
     fsdp = uses_fsdp(config, dims)
     if config.float8.enable:
         convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, ROUTER], device,
-                          config.float8.enable_fsdp_float8_all_gather and fsdp)
+                          config.float8.enable_fsdp_float8_all_gather and fsdp,
+                          skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         args = model.args
         for key, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads)):

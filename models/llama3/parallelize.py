@@ -82,7 +82,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
                       device: torch.device) -> nn.Module:
     if config.float8.enable:
         convert_to_float8(model, config.float8.recipe_name, config.float8.filter_fqns, device,
-                          config.float8.enable_fsdp_float8_all_gather and uses_fsdp(config, dims))
+                          config.float8.enable_fsdp_float8_all_gather and uses_fsdp(config, dims),
+                          skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         check_tp_fits(model, dims.tp)
         # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
