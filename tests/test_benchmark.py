@@ -73,6 +73,27 @@ def test_tiny_preset_reports_every_case_and_a_failing_one(tmp_path):
     assert "| CPU operator (inclusive time) | calls | ms | % of the step |" in summary and "aten::mm" in summary
 
 
+@pytest.mark.slow
+def test_the_device_check_script_leaves_its_results_in_out(tmp_path):
+    """scripts/benchmark/device_check.sh as a GPU slot runs it, on the tiny preset without the lane: two passes of
+    one case, the second under an extra flag; bench.json holds both reports, summary.md and the traces both runs."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PRESET="tiny", LANE_S="0", STEPS="3", WARMUP="1", OMP_NUM_THREADS="1",
+               PASSES="|debug default\n--training.local_batch_size 2|debug default")
+    result = subprocess.run(["bash", "scripts/benchmark/device_check.sh"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.log", "env.txt", "summary.md",
+                                                     "traces.tar.gz"]
+    reports = json.loads((out / "bench.json").read_text())
+    assert [r["extra_flags"] for r in reports] == [[], ["--training.local_batch_size", "2"]]
+    assert all(r["cases"][0]["status"] == "ok" for r in reports)
+    summary = (out / "summary.md").read_text()
+    assert summary.count("### debug default\n\nstep ") == 2 and "## pass 2: --training.local_batch_size 2" in summary
+    listed = subprocess.run(["tar", "tzf", str(out / "traces.tar.gz")], capture_output=True, text=True).stdout
+    assert listed.split() == ["trace-1_debug_default.json", "trace-2_debug_default.json"]
+
+
 def test_a_trace_summary_names_the_busy_time_the_gaps_and_the_kernels_by_kind():
     """A GPU trace made by hand: one step of 1 ms, three kernels (a matmul, a compiled Triton kernel, flash
     attention) with one gap of 90 µs and one of 5 µs (too short to name), 2 GiB allocated at most."""
