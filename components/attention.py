@@ -243,10 +243,10 @@ def _declared_block_mask(seq: int, spec: AttentionMask, device: str) -> BlockMas
     def declared(b, h, q_idx, kv_idx):
         return spec.allows(q_idx, kv_idx)
 
-    return block_mask(declared, None, seq, seq, torch.device(device))
+    return flex_block_mask(declared, None, seq, seq, torch.device(device))
 
 
-def block_mask(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+def flex_block_mask(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
     """create_block_mask, compiled on CUDA: eager, it evaluates mask_mod on every (query, key) pair at once,
     gigabytes at seq 8192. Inside a compiled block it is traced as it is: its `_compile` flag warns (deprecated
     since torch 2.11), which breaks the graph."""
@@ -272,7 +272,7 @@ def document_mask(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL,
             key_in_document = None if within is None else within[b, kv_idx]
             return spec.allows(q_idx, kv_idx, key_in_document) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-        return block_mask(same_document, batch, seq, seq, document_ids.device)
+        return flex_block_mask(same_document, batch, seq, seq, document_ids.device)
     positions = torch.arange(seq, device=document_ids.device)
     return visible_keys(document_ids, positions, positions, spec)[:, None]
 

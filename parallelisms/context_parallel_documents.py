@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from components import attention
-from components.attention import CAUSAL, AttentionMask, block_mask
+from components.attention import CAUSAL, AttentionMask, flex_block_mask
 from components.data.documents import document_positions
 
 
@@ -145,7 +145,7 @@ def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: i
         key_in_document = None if within is None else within[b, key]
         return spec.allows(query, key, key_in_document) & (document_ids[b, query] == document_ids[b, key])
 
-    return block_mask(same_document, len(document_ids), queries.shape[1], end - start, document_ids.device)
+    return flex_block_mask(same_document, len(document_ids), queries.shape[1], end - start, document_ids.device)
 
 
 def ring_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
