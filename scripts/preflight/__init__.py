@@ -1,0 +1,1 @@
+"""Preflight: a layout at its full world size, checked and stepped on one CPU (docs/preflight.md)."""

@@ -1,0 +1,79 @@
+"""python -m scripts.preflight --world-size N [--ranks R,R] [--section.key value ...]
+
+Runs train.py's start-up path and one training step for chosen ranks of an N-process job over torch's fake
+process group, on fake tensors: whether the layout composes (else train.py's own error, exit 2), and per rank
+its share of the parameters and optimizer state, the collectives of one step by mesh dimension and the step's
+FLOPs (docs/preflight.md)."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from components.config import ConfigError, load_config
+from components.distributed import ParallelDims
+from scripts.preflight.rank import RankReport, preflight_rank
+
+GIB = 2**30
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def default_ranks(dims: ParallelDims) -> list[int]:
+    """Rank 0 and the last rank: without pipeline stages every rank holds the same shapes, but the last is at the
+    far end of each mesh dimension."""
+    return sorted({0, dims.world_size - 1})
+
+
+def size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def describe(report: RankReport) -> str:
+    where = ", ".join(f"{k} {v}" for k, v in report.coordinates.items()) or "the only rank"
+    lines = [f"rank {report.rank} ({where}), {report.seconds:.1f} s:",
+             f"  parameters {report.params / 1e6:,.2f}M ({size(report.param_bytes)}), optimizer state "
+             f"{size(report.optimizer_bytes)}; checkpoint share {size(report.param_bytes + report.optimizer_bytes)}",
+             (f"  FLOPs of one step {report.flops / 1e12:,.3f} T counted; " if report.flops is not None else
+              "  FLOPs of one step: not counted under tensor parallelism yet; ")
+             + f"the model's formula (MFU's) gives this rank {report.model_flops / 1e12:,.3f} T",
+             "  collectives of one step, by mesh dimension:" if report.collectives else "  no collectives"]
+    if report.note:
+        lines.insert(1, f"  note: {report.note}")
+    for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
+        lines.append(f"    {dim:12s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.preflight", description=__doc__.split("\n\n")[1],
+                                     allow_abbrev=False, epilog="Every other argument is a train.py config argument.")
+    parser.add_argument("--world-size", type=positive_int, required=True, help="processes of the job")
+    parser.add_argument("--ranks", help="comma-separated ranks to check (default: the first and the last)")
+    args, config_args = parser.parse_known_args(argv)
+    try:
+        config = load_config(config_args)
+        dims = ParallelDims.from_config(config.parallelism, args.world_size)
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else default_ranks(dims)
+        if bad := [r for r in ranks if not 0 <= r < args.world_size]:
+            raise ConfigError(f"--ranks {args.ranks}: {bad} not in 0 to {args.world_size - 1}")
+        print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
+              f"{dims.describe()}, ranks {ranks}", flush=True)
+        for rank in ranks:
+            # A process per rank: torch keeps process groups and meshes in globals that one process cannot reset.
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+                print(describe(process.submit(preflight_rank, config, args.world_size, rank).result()), flush=True)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The collectives one training step issues, recorded from the dispatcher as they are called, grouped by the
+mesh dimension whose process group carries them: FSDP's and pipeline's c10d calls and DTensor's functional
+ones alike."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Meshes made of several dimensions (components/distributed.py's ParallelDims.build_mesh): named by what they join.
+FLATTENED = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "moe_shard")
+NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+SKIPPED = {"wait", "wait_tensor", "barrier", "monitored_barrier"}
+
+
+@dataclass
+class Collective:
+    count: int = 0
+    bytes: int = 0
+    group_size: int = 0
+
+
+def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+    """The ranks of each named mesh dimension's group (this rank's), by the first name that has them."""
+    names: dict[tuple[int, ...], str] = {}
+    for name in (*mesh.mesh_dim_names, *FLATTENED):
+        try:
+            group = mesh[name].get_group()
+        except (KeyError, RuntimeError):
+            continue
+        names.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+    return names
+
+
+def _group(args) -> dist.ProcessGroup | None:
+    for arg in args:
+        if isinstance(arg, dist.ProcessGroup):
+            return arg
+        if isinstance(arg, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(arg)  # a functional collective's group name
+            except (KeyError, RuntimeError, ValueError):
+                continue
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(arg)
+            except (AttributeError, RuntimeError):
+                continue
+    return None
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
+    of a gather, a reduction or a send. Waits and barriers move no data and are left out."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.names = group_names(mesh)
+        self.calls: dict[tuple[str, str], Collective] = defaultdict(Collective)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, op = func.namespace, func._schema.name.split("::")[-1]
+        if namespace in NAMESPACES and op not in SKIPPED:
+            flat, _ = tree_flatten((args, kwargs or {}))
+            group = _group(flat)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+            dim = self.names.get(ranks, f"group of {len(ranks)}") if ranks else "?"
+            sent = _sent(op, flat)
+            record = self.calls[(op.rstrip("_"), dim)]
+            record.count, record.bytes, record.group_size = record.count + 1, record.bytes + sent, len(ranks)
+        return func(*args, **(kwargs or {}))
+
+
+def _sent(op: str, flat: list) -> int:
+    """The bytes this rank puts in: a gather's or an all-to-all's input (c10d passes the outputs first), a
+    reduce-scatter's whole buffer, the tensors of a reduction, broadcast or send."""
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return 0
+    if any(kind in op for kind in ("allgather", "all_gather", "alltoall", "all_to_all")):
+        tensors = tensors[-1:]
+    elif "reduce_scatter" in op:
+        tensors = [max(tensors, key=torch.Tensor.nbytes.__get__)]
+    unique = {id(t): t for t in tensors}.values()
+    return sum(t.numel() * t.element_size() for t in unique)

@@ -1,0 +1,151 @@
+"""One rank of a layout at its full world size, in this process: train.py's start-up path over torch's fake
+process group (every collective returns at once, carrying no data), then one training step on fake tensors
+(shapes and dtypes, no memory), recording what it sends and computes.
+
+What differs from train.py, and why: the model is materialized as fake tensors (no weights are drawn: their
+values change nothing here); compile is off for the step (compiling on fake tensors would measure the compiler,
+and compiled code sends and computes the same); no data is read (the step's token ids are random, of the
+batch's shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake process group: private, here only
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from components.batch import batch_plan
+from components.config import Config, ConfigError
+from components.distributed import ParallelDims
+from components.fault_tolerance import NoReplicas
+from components.layout_checks import check_model_supported, check_supported
+from components.model_on_rank import prepare_batch
+from components.model_package import import_model_package
+from components.moe_layer import has_moe_layer
+from components.optim import Optimizers
+from parallelisms.context_parallel import shard_sequence
+from scripts.memory_estimate.estimator import vocab_size
+from scripts.preflight.collectives import Collective, CollectiveRecorder
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinates: dict[str, int]
+    """This rank's place on each mesh dimension of more than one rank."""
+    params: int = 0
+    """Elements of this rank's share of the parameters."""
+    param_bytes: int = 0
+    root_param_bytes: int = 0
+    """Of the parameters outside the transformer blocks (embedding, final norm, output): FSDP's root unit."""
+    optimizer_bytes: int = 0
+    flops: int | None = None
+    """Of this rank's step (forward, backward and optimizer), as torch's FLOP counter counts them; None under
+    tensor parallelism, where it cannot yet."""
+    model_flops: float = 0.0
+    """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
+    collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
+    seconds: float = 0.0
+    note: str | None = None
+    """What was assumed (a vocabulary where the tokenizer file is missing)."""
+
+
+def _as_gpu_attention(gpu_op) -> Callable:
+    """The FLOP formula torch's counter applies to `gpu_op`, for an op of the same arguments."""
+    formula = flop_registry[gpu_op]
+
+    def count(*args, **kwargs) -> int:
+        return formula(*args, **kwargs)
+
+    count._get_raw = True  # the counter passes the tensors; the formula takes their shapes itself
+    return count
+
+
+# The step runs the CPU's attention kernels, which torch's FLOP counter does not know: counted as the GPU ones are
+# (every query against every key, the convention of the models' flops_per_token too).
+aten = torch.ops.aten
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _as_gpu_attention(aten._scaled_dot_product_flash_attention),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_gpu_attention(
+        aten._scaled_dot_product_flash_attention_backward),
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def preflight_rank(config: Config, world_size: int, rank: int) -> RankReport:
+    """Build and step `rank` of `world_size` as train.py would; a layout that does not compose raises the
+    ConfigError train.py raises."""
+    import train  # its start-up functions, called as it calls them
+
+    start = time.perf_counter()
+    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        device = torch.device("cpu")
+        dims = ParallelDims.from_config(config.parallelism, world_size)
+        check_supported(config, dims, device)
+        mesh = dims.build_mesh(device.type)
+        plan = batch_plan(config.training, dims.dp)
+        vocab, report_note = vocab_size(config)  # the estimator's rule: Llama 3's where the tokenizer file is missing
+        package = import_model_package(config.model.name)
+        model_args = package.build_model_args(config, vocab)
+        with torch.device("meta"):
+            whole = package.Transformer(model_args)
+        check_model_supported(config, dims, whole)
+        unavailable = {
+            # Routing and document masks size tensors by the token values, which fake tensors do not have.
+            "mixture-of-experts models": has_moe_layer(whole),
+            "training.document_masking": config.training.document_masking,
+            # torch's pipeline stages send each other their shapes at the first step: one rank alone receives none.
+            "pipeline parallelism": dims.pp > 1,
+        }
+        if names := [name for name, used in unavailable.items() if used]:
+            raise ConfigError(f"not available yet in preflight: {', '.join(names)}; python -m scripts.memory_estimate "
+                              "estimates their memory")
+        model_part = package.parallelize(whole, dims, mesh, config, device)
+        coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
+        report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
+            config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
+        recorder = CollectiveRecorder(mesh)
+        share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model_part.to_empty(device=device)
+            model_part.train()
+            model = train.model_on_rank([model_part], [0], 1, dims, mesh, config, device, plan.grad_accum_steps)
+            optimizers = Optimizers([model_part], config.optimizer)
+            shape = (config.training.local_batch_size, config.training.seq_len + 1)
+            batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
+                       for _ in iter(int, 1))
+            with recorder, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops:
+                train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
+                                 NoReplicas())
+                optimizers.step()
+            # Under tensor parallelism DTensor's operations reach the counter with their global shapes as well as
+            # the local ones: no count rather than a wrong one.
+            report.flops = flops.get_total_flops() if dims.tp == 1 else None
+            params = list(model_part.parameters())
+            report.params = sum(_local(p).numel() for p in params)
+            report.param_bytes = _bytes(params)
+            in_blocks = {id(p) for p in model_part.transformer_blocks().parameters()}
+            report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
+            report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
+                                         for opt in optimizers.optimizers for state in opt.state.values())
+        report.collectives = dict(recorder.calls)
+        report.seconds = time.perf_counter() - start
+        return report
+    finally:
+        dist.destroy_process_group()
