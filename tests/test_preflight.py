@@ -2,20 +2,55 @@
 on fake tensors: its share of the model and optimizer state, the collectives of its step by mesh dimension, and
 train.py's own errors for a layout that does not compose."""
 
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
-from conftest import REPO
+import torch.distributed as dist
+from conftest import REPO, on_ranks
 
 from components.config import load_config
-from scripts.preflight.rank import preflight_rank
+from scripts.preflight.rank import RankReport, preflight_rank, step_report
 
 FSDP4_TP2 = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "4",
              "--parallelism.tensor_parallel_degree", "2"]
+
+
+def fake_step(config_args: list[str], world_size: int, rank: int) -> RankReport:
+    """preflight_rank in a process of its own, as the command runs it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        return process.submit(preflight_rank, load_config(config_args), world_size, rank).result()
+
+
+def collectives(report: RankReport) -> dict[str, list[int]]:
+    return {f"{op} over {dim}": [c.count, c.bytes, c.group_size] for (op, dim), c in report.collectives.items()}
+
+
+def _real_step(rank: int, world_size: int, store: str, config_args: list[str]) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    try:
+        report = step_report(load_config(config_args), fake=False)
+        (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(collectives(report)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path):
+    """FSDP 2 x TP 2 at 4 processes: each rank's collectives of one step (count, bytes put in, group size, by
+    mesh dimension), recorded on 4 real gloo processes with real tensors, equal what preflight records for that
+    rank alone over the fake process group on fake tensors."""
+    args = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "2",
+            "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    on_ranks(_real_step, 4, 4, str(tmp_path / "store"), args)
+    for rank in (0, 3):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert collectives(fake_step(args, 4, rank)) == real, rank
+        assert {"_allgather_base over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
 
 
 def preflight(*args: str) -> subprocess.CompletedProcess:
@@ -28,9 +63,7 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
     weights (the embedding shards over FSDP only, its norms likewise), AdamW's two moments of each (fp32); FSDP gathers
     each block's shard in forward and again in backward (the root's once: never resharded) and reduce-scatters
     every unit's gradients once, over the 4 shard ranks; TP's collectives go over the 2 TP ranks."""
-    config = load_config(FSDP4_TP2)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-        report = process.submit(preflight_rank, config, 8, 5).result()
+    report = fake_step(FSDP4_TP2, 8, 5)
     assert report.coordinates == {"dp_shard": 2, "tp": 1}
     assert report.param_bytes == 4 * report.params
     assert 0 < report.optimizer_bytes - 2 * report.param_bytes <= 4 * 100  # and a 4-byte step count per tensor

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 # Meshes made of several dimensions (components/distributed.py's ParallelDims.build_mesh): named by what they join.
 FLATTENED = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "moe_shard")
 NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-SKIPPED = {"wait", "wait_tensor", "barrier", "monitored_barrier"}
+SKIPPED = {"wait", "wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}  # these move no data
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _group(args) -> dist.ProcessGroup | None:
 
 class CollectiveRecorder(TorchDispatchMode):
     """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
-    of a gather, a reduction or a send. Waits and barriers move no data and are left out."""
+    of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out."""
 
     def __init__(self, mesh: DeviceMesh):
         super().__init__()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -87,65 +88,75 @@ def _bytes(tensors) -> int:
 
 
 def preflight_rank(config: Config, world_size: int, rank: int) -> RankReport:
-    """Build and step `rank` of `world_size` as train.py would; a layout that does not compose raises the
-    ConfigError train.py raises."""
+    """Build and step `rank` of `world_size` as train.py would, over the fake process group on fake tensors; a
+    layout that does not compose raises the ConfigError train.py raises."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        return step_report(config, fake=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def step_report(config: Config, fake: bool) -> RankReport:
+    """This process's rank of the initialized process group, built as train.py builds it and stepped once: on fake
+    tensors (`fake`), or on real ones, which is how tests/test_preflight.py checks the fake step against a real
+    run over gloo."""
     import train  # its start-up functions, called as it calls them
 
     start = time.perf_counter()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        device = torch.device("cpu")
-        dims = ParallelDims.from_config(config.parallelism, world_size)
-        check_supported(config, dims, device)
-        mesh = dims.build_mesh(device.type)
-        plan = batch_plan(config.training, dims.dp)
-        vocab, report_note = vocab_size(config)  # the estimator's rule: Llama 3's where the tokenizer file is missing
-        package = import_model_package(config.model.name)
-        model_args = package.build_model_args(config, vocab)
-        with torch.device("meta"):
-            whole = package.Transformer(model_args)
-        check_model_supported(config, dims, whole)
-        unavailable = {
-            # Routing and document masks size tensors by the token values, which fake tensors do not have.
-            "mixture-of-experts models": has_moe_layer(whole),
-            "training.document_masking": config.training.document_masking,
-            # torch's pipeline stages send each other their shapes at the first step: one rank alone receives none.
-            "pipeline parallelism": dims.pp > 1,
-        }
-        if names := [name for name, used in unavailable.items() if used]:
-            raise ConfigError(f"not available yet in preflight: {', '.join(names)}; python -m scripts.memory_estimate "
-                              "estimates their memory")
-        model_part = package.parallelize(whole, dims, mesh, config, device)
-        coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
-        report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
-            config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
-        recorder = CollectiveRecorder(mesh)
-        share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model_part.to_empty(device=device)
-            model_part.train()
-            model = train.model_on_rank([model_part], [0], 1, dims, mesh, config, device, plan.grad_accum_steps)
-            optimizers = Optimizers([model_part], config.optimizer)
-            shape = (config.training.local_batch_size, config.training.seq_len + 1)
-            batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
-                       for _ in iter(int, 1))
-            with recorder, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops:
-                train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
-                                 NoReplicas())
-                optimizers.step()
-            # Under tensor parallelism DTensor's operations reach the counter with their global shapes as well as
-            # the local ones: no count rather than a wrong one.
-            report.flops = flops.get_total_flops() if dims.tp == 1 else None
-            params = list(model_part.parameters())
-            report.params = sum(_local(p).numel() for p in params)
-            report.param_bytes = _bytes(params)
-            in_blocks = {id(p) for p in model_part.transformer_blocks().parameters()}
-            report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
-            report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
-                                         for opt in optimizers.optimizers for state in opt.state.values())
-        report.collectives = dict(recorder.calls)
-        report.seconds = time.perf_counter() - start
-        return report
-    finally:
-        dist.destroy_process_group()
+    device = torch.device("cpu")
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    check_supported(config, dims, device)
+    mesh = dims.build_mesh(device.type)
+    plan = batch_plan(config.training, dims.dp)
+    vocab, report_note = vocab_size(config)  # the estimator's rule: Llama 3's where the tokenizer file is missing
+    package = import_model_package(config.model.name)
+    model_args = package.build_model_args(config, vocab)
+    with torch.device("meta"):
+        whole = package.Transformer(model_args)
+    check_model_supported(config, dims, whole)
+    unavailable = {
+        # Routing and document masks size tensors by the token values, which fake tensors do not have.
+        "mixture-of-experts models": has_moe_layer(whole),
+        "training.document_masking": config.training.document_masking,
+        # torch's pipeline stages send each other their shapes at the first step: one rank alone receives none.
+        "pipeline parallelism": dims.pp > 1,
+    }
+    if names := [name for name, used in unavailable.items() if used]:
+        raise ConfigError(f"not available yet in preflight: {', '.join(names)}; python -m scripts.memory_estimate "
+                          "estimates their memory")
+    model_part = package.parallelize(whole, dims, mesh, config, device)
+    coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
+    report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
+        config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
+    recorder = CollectiveRecorder(mesh)
+    share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
+        model_part.to_empty(device=device)
+        if not fake:
+            model_part.init_weights()
+        model_part.train()
+        model = train.model_on_rank([model_part], [0], 1, dims, mesh, config, device, plan.grad_accum_steps)
+        optimizers = Optimizers([model_part], config.optimizer)
+        shape = (config.training.local_batch_size, config.training.seq_len + 1)
+        batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
+                   for _ in iter(int, 1))
+        with recorder, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops:
+            train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
+                             NoReplicas())
+            optimizers.step()
+        # Under tensor parallelism DTensor's operations reach the counter with their global shapes as well as
+        # the local ones: no count rather than a wrong one.
+        report.flops = flops.get_total_flops() if dims.tp == 1 else None
+        params = list(model_part.parameters())
+        report.params = sum(_local(p).numel() for p in params)
+        report.param_bytes = _bytes(params)
+        in_blocks = {id(p) for p in model_part.transformer_blocks().parameters()}
+        report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
+        report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
+                                     for opt in optimizers.optimizers for state in opt.state.values())
+    report.collectives = dict(recorder.calls)
+    report.seconds = time.perf_counter() - start
+    return report
