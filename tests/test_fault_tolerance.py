@@ -150,10 +150,10 @@ def step_lines(log: Path) -> list[int]:
     return [int(line.split("step")[1].split()[0]) for line in log.read_text().splitlines() if "  loss  " in line]
 
 
-REJOINING = {"fsdp2": (), **{name: GROUP_LAYOUTS[name] for name in ("tp2", "pp2", "moe_ep2")}}
-"""The layouts whose state a rejoining group takes in another form: FSDP shards; TP's shards of other dimensions;
-a pipeline stage's part of the model; experts split by EP, with their routing biases. (CP shards the state as FSDP
-does.)"""
+REJOINING = {name: GROUP_LAYOUTS[name] for name in ("tp2", "pp2", "moe_ep2")}
+"""The layouts whose state a rejoining group takes in another form: TP's shards of other dimensions; a pipeline
+stage's part of the model; FSDP shards with experts split by EP and their routing biases (moe_ep2 is FSDP 2 x EP 2,
+which covers FSDP alone; CP shards the state as FSDP does)."""
 
 
 @pytest.mark.parametrize("layout", REJOINING.values(), ids=REJOINING)
