@@ -225,40 +225,33 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `grads` as of whole tensors, from each rank's local shares: the squared norms of the shares
-    of each placement (mesh and placements alike) summed, then all-reduced once over each mesh dimension that
-    placement shards (a replicated dimension holds the same values on every rank). A collective per placement and
-    dimension: DTensor's own norm reduces every parameter's alone, 1,764 all-reduces a step on Llama 3 405B under
-    FSDP x TP (python -m scripts.preflight)."""
-    by_placement: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
-        by_placement.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    squares = []
-    for key, shares in by_placement.items():
-        squared = torch.stack(torch._foreach_norm(shares)).float().square().sum()
-        if key is not None:
-            mesh, placements = key
-            for dim, placement in enumerate(placements):
-                if placement.is_shard():
-                    torch.distributed.all_reduce(squared, group=mesh.get_group(dim))
-        squares.append(squared)
-    return torch.stack(squares).sum().sqrt()
+def whole(norm: torch.Tensor) -> torch.Tensor:
+    """A 2-norm, a DTensor partial over some mesh dimensions, made whole: its square summed over each of them, then
+    the root (DTensor's full_tensor would take the root after each dimension, and warns that it reduces a
+    2-D mesh's in sequence)."""
+    if not isinstance(norm, DTensor):
+        return norm
+    squared = norm.to_local() ** 2
+    for dim, placement in enumerate(norm.placements):
+        if placement.is_partial():
+            torch.distributed.all_reduce(squared, group=norm.device_mesh.get_group(dim))
+    return squared.sqrt()
 
 
 def clip_grad_norm(optimizers: Optimizers, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip all gradients to a global norm of `max_norm` (0: no clipping) and return that norm.
 
-    The norm is taken over every parameter group of the optimizers (their gradients first reduced where still
-    partial: `reduce_partial_grads`) by `total_norm`. Under
+    The norm is taken per parameter group of the optimizers (each a `by_mesh` group of a model part, its
+    gradients first reduced where still partial: `reduce_partial_grads`) and the groups combined. Under
     pipeline parallelism each rank sees only its stages' gradients, so the squared norms are summed over the
     pipeline group."""
     groups = [[p for p in group["params"] if p.grad is not None] for group in optimizers.param_groups]
     groups = [params for params in groups if params]
+    norms = []
     for params in groups:
         reduce_partial_grads(params)
-    norm = total_norm([p.grad for params in groups for p in params])
+        norms.append(whole(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)))
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         squared = norm**2
         torch.distributed.all_reduce(squared, group=pp_group)
