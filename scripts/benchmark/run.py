@@ -156,9 +156,8 @@ def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: flo
     """Train `case` for `steps` steps in a fresh process and summarize the steps after the first `warmup`;
     with `trace`, TRACED_STEPS more steps under the profiler, whose chrome trace (rank 0's) is copied to `trace`."""
     processes = process_count(case)
-    if trace is not None:
-        extra = [*extra, *profiling_flags(steps + TRACED_STEPS)]
-    argv = train_argv(case, extra, steps + (TRACED_STEPS if trace is not None else 0), dump)
+    last_step = steps + (TRACED_STEPS if trace is not None else 0)
+    argv = train_argv(case, [*extra, *(profiling_flags(last_step) if trace is not None else [])], last_step, dump)
     result = Result(case.name, processes=processes, command=launch_command(processes, ["train.py", *argv]))
     try:
         config = load_config(argv)
@@ -175,7 +174,7 @@ def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: flo
     result.wall_seconds = time.perf_counter() - start
     records, _ = read_metrics(dump / "metrics.jsonl")
     kept = [r for r in records if warmup < r["step"] <= steps]
-    written = dump / config.profiling.save_traces_folder / f"step-{steps + TRACED_STEPS}" / "rank0_trace.json"
+    written = dump / config.profiling.save_traces_folder / f"step-{last_step}" / "rank0_trace.json"
     if trace is not None and written.exists():
         shutil.copyfile(written, trace)
         result.trace = str(trace)

@@ -13,8 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# Meshes made of several dimensions (components/distributed.py's ParallelDims.build_mesh): named by what they join.
-FLATTENED = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "moe_shard")
 NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 SKIPPED = {"wait", "wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}  # these move no data
 
@@ -26,15 +24,13 @@ class Collective:
     group_size: int = 0
 
 
-def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
-    """The ranks of each named mesh dimension's group (this rank's), by the first name that has them."""
+def group_names(meshes: list[DeviceMesh]) -> dict[tuple[int, ...], str]:
+    """The ranks of each named dimension's group (this rank's), by the first name that has them: the world mesh's
+    dimensions, then those ParallelDims.build_mesh made of several (`dp`, `dp_cp`, `dp_shard_cp`, ...)."""
     names: dict[tuple[int, ...], str] = {}
-    for name in (*mesh.mesh_dim_names, *FLATTENED):
-        try:
-            group = mesh[name].get_group()
-        except (KeyError, RuntimeError):
-            continue
-        names.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+    for mesh in meshes:
+        for name in mesh.mesh_dim_names:
+            names.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
     return names
 
 
@@ -59,9 +55,9 @@ class CollectiveRecorder(TorchDispatchMode):
     """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
     of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, meshes: list[DeviceMesh]):
         super().__init__()
-        self.names = group_names(mesh)
+        self.names = group_names(meshes)
         self.calls: dict[tuple[str, str], Collective] = defaultdict(Collective)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -27,7 +27,7 @@ from components.config import Config, ConfigError
 from components.distributed import ParallelDims
 from components.fault_tolerance import NoReplicas
 from components.layout_checks import check_model_supported, check_supported
-from components.model_on_rank import prepare_batch
+from components.model_on_rank import local, prepare_batch
 from components.model_package import import_model_package
 from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
@@ -79,12 +79,8 @@ CPU_ATTENTION_FLOPS = {
 }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _bytes(tensors) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
 def preflight_rank(config: Config, world_size: int, rank: int) -> RankReport:
@@ -131,7 +127,7 @@ def step_report(config: Config, fake: bool) -> RankReport:
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
         config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
-    recorder = CollectiveRecorder(mesh)
+    recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
         model_part.to_empty(device=device)
@@ -151,7 +147,7 @@ def step_report(config: Config, fake: bool) -> RankReport:
         # the local ones: no count rather than a wrong one.
         report.flops = flops.get_total_flops() if dims.tp == 1 else None
         params = list(model_part.parameters())
-        report.params = sum(_local(p).numel() for p in params)
+        report.params = sum(local(p).numel() for p in params)
         report.param_bytes = _bytes(params)
         in_blocks = {id(p) for p in model_part.transformer_blocks().parameters()}
         report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
