@@ -15,6 +15,8 @@ import torch.distributed as dist
 from conftest import REPO, on_ranks
 
 from components.config import load_config
+from scripts.preflight.collectives import Collective
+from scripts.preflight.predict import CLUSTERS, Step, load_cluster, predict
 from scripts.preflight.rank import RankReport, preflight_rank, step_report
 
 FSDP4_TP2 = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "4",
@@ -76,7 +78,8 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
     assert scatter.bytes == 4 * report.param_bytes  # a reduce-scatter puts in the whole gradient of its unit
     assert {dim for _, dim in report.collectives} == {"dp_shard", "tp"}
     assert all(c.group_size == 2 for (_, dim), c in report.collectives.items() if dim == "tp")
-    assert report.flops is None and report.model_flops > 0  # not counted under TP yet
+    # This rank's FLOPs: its matmuls on its TP shards (DTensor's, counted on the local shards), near the formula.
+    assert report.model_flops < report.flops < 1.1 * report.model_flops
 
 
 @pytest.mark.parametrize("args, error", [
@@ -93,12 +96,60 @@ def test_what_does_not_compose_or_is_not_covered_yet_is_one_line_and_exit_2(args
     assert result.stderr.strip().splitlines()[-1] == error
 
 
-def test_fsdp_over_4_counts_the_step_s_flops_near_the_model_s_formula():
-    """Without tensor parallelism torch's FLOP counter sees this rank's operations once: the step's count (attention
-    counted as the GPU kernels are, every query against every key, as flops_per_token does) is within 10% of the
-    formula MFU uses (its backward of attention counts 2 forward's, the kernels' 2.5)."""
-    result = preflight("--world-size", "4", "--ranks", "3")
+def test_fsdp_over_4_counts_the_step_s_flops_near_the_model_s_formula_and_predicts_its_time_from_them():
+    """The step's count (attention counted as the GPU kernels are, every query against every key, as
+    flops_per_token does) is within 10% of the formula MFU uses (its backward of attention counts 2 forward's, the
+    kernels' 2.5). The prediction on an H200 node: compute at 45% of 989 TFLOP/s (bf16, compiled), then what waits:
+    over dp_shard only, this tiny model's FSDP collectives being too small to hide (under 1 MiB a call) and the loss's
+    all-reduce; MFU the formula's share of the peak."""
+    result = preflight("--world-size", "4", "--ranks", "3", "--cluster", "h200", "--training.mixed_precision_param",
+                       "bfloat16", "--compile.enable", "true")
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if "FLOPs of one step" in line)
+    lines = result.stdout.splitlines()
+    assert "  cluster h200: H200 SXM nodes, NVLink 4, 400 Gb/s InfiniBand a GPU; 8 GPUs a node" in lines
+    line = next(line for line in lines if "FLOPs of one step" in line)
     counted, formula = (float(part.split(" T")[0].split()[-1]) for part in line.split(";"))
     assert formula < counted < 1.1 * formula, line
+    step = next(line for line in lines if "predicted step" in line)
+    seconds = float(step.split("predicted step ")[1].split(" ms")[0]) / 1e3
+    compute = float(step.split("compute ")[1].split(" ms")[0]) / 1e3
+    assert compute == pytest.approx(counted * 1e12 / (0.45 * 989e12), rel=1e-2) and compute < seconds
+    assert step.endswith("waiting (dp_shard " + step.split("waiting (dp_shard ")[-1]), step
+    mfu = float(next(line for line in lines if "tokens/s per GPU" in line).split("MFU ")[1].rstrip("%"))
+    assert mfu == pytest.approx(100 * formula * 1e12 / seconds / 989e12, rel=2e-2)
+
+
+def test_the_prediction_hides_fsdp_s_bulk_collectives_behind_compute_and_adds_what_waits():
+    """By hand, on an H100 node pair: 445 TFLOP/s of a compiled bf16 step (45% of 989); FSDP's gather of 1 GiB
+    shards over 8 ranks of one node receives 7 GiB at 360 GB/s (80% of NVLink's 450) plus 10 us a call, hidden
+    behind compute; TP's all-reduce of 1 GiB over 2 ranks on two nodes moves 1 GiB at 40 GB/s plus 25 us a call,
+    waited for (unless async TP)."""
+    h100 = CLUSTERS["h100"]
+    gib = 2**30
+    collectives = {("_allgather_base", "dp_shard"): Collective(2, 2 * gib, 8, tuple(range(8))),
+                   ("allreduce", "tp"): Collective(4, gib, 2, (0, 8))}
+    step = Step("bfloat16", compiled=True, async_tp=False, tokens=8 * 4096, world_size=16)
+    one_second = 0.45 * 989e12
+    p = predict(one_second, 0, 3.56e14, collectives, step, h100)
+    gather = 7 * 2 * gib / 360e9 + 2 * 10e-6
+    tp = 2 * gib * 1 / 2 / 40e9 + 4 * 25e-6
+    assert p.compute_s == pytest.approx(1.0) and p.overlapped_s == pytest.approx(gather)
+    assert p.exposed_by_dim == {"tp": pytest.approx(tp)} and p.step_s == pytest.approx(1.0 + tp)
+    assert p.tokens_per_gpu_s == pytest.approx(8 * 4096 / 16 / p.step_s)
+    assert p.mfu == pytest.approx(3.56e14 / p.step_s / 989e12)
+    # Half the FLOPs in float8 linear layers, at 31% of 1,979; async TP hides TP's all-reduce too.
+    async_tp = predict(one_second, one_second / 2, 3.56e14, collectives, Step("bfloat16", True, True, 8 * 4096, 16),
+                       h100)
+    assert async_tp.compute_s == pytest.approx(0.5 + one_second / 2 / (0.31 * 1979e12))
+    assert async_tp.exposed_s == 0 and async_tp.step_s == pytest.approx(async_tp.compute_s)
+
+
+def test_a_cluster_file_changes_the_named_cluster_and_names_a_key_it_does_not_know(tmp_path):
+    (tmp_path / "slow_network.toml").write_text('base = "h200"\ninter_node_gbps = 25.0\n')
+    cluster = load_cluster(str(tmp_path / "slow_network.toml"))
+    assert cluster.inter_node_gbps == 25.0 and cluster.peak_tflops == CLUSTERS["h200"].peak_tflops
+    (tmp_path / "typo.toml").write_text("inter_node_gbs = 25.0\n")
+    with pytest.raises(ValueError, match=r"unknown key 'inter_node_gbs'; the keys: base, bandwidth_fraction"):
+        load_cluster(str(tmp_path / "typo.toml"))
+    with pytest.raises(ValueError, match="neither a cluster .h100, h200. nor a TOML file"):
+        load_cluster("a100")

@@ -1,19 +1,21 @@
-"""python -m scripts.preflight --world-size N [--ranks R,R] [--section.key value ...]
+"""python -m scripts.preflight --world-size N [--ranks R,R] [--cluster h100|h200|FILE] [--section.key value ...]
 
 Runs train.py's start-up path and one training step for chosen ranks of an N-process job over torch's fake
 process group, on fake tensors: whether the layout composes (else train.py's own error, exit 2), and per rank
-its share of the parameters and optimizer state, the collectives of one step by mesh dimension and the step's
-FLOPs (docs/preflight.md)."""
+its share of the parameters and optimizer state, the collectives of one step by mesh dimension, the step's
+FLOPs, and the step's time, tokens/s and MFU predicted on a GPU cluster (docs/preflight.md)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
+from scripts.preflight.predict import Cluster, Step, assumptions, load_cluster, predict
 from scripts.preflight.rank import RankReport, preflight_rank
 
 GIB = 2**30
@@ -35,19 +37,30 @@ def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
-def describe(report: RankReport) -> str:
+def duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
     where = ", ".join(f"{k} {v}" for k, v in report.coordinates.items()) or "the only rank"
     lines = [f"rank {report.rank} ({where}), {report.seconds:.1f} s:",
              f"  parameters {report.params / 1e6:,.2f}M ({size(report.param_bytes)}), optimizer state "
              f"{size(report.optimizer_bytes)}; checkpoint share {size(report.param_bytes + report.optimizer_bytes)}",
-             (f"  FLOPs of one step {report.flops / 1e12:,.3f} T counted; " if report.flops is not None else
-              "  FLOPs of one step: not counted under tensor parallelism yet; ")
-             + f"the model's formula (MFU's) gives this rank {report.model_flops / 1e12:,.3f} T",
+             f"  FLOPs of one step {report.flops / 1e12:,.3f} T counted"
+             + (f" ({report.float8_flops / 1e12:,.3f} T in float8 linear layers)" if report.float8_flops else "")
+             + f"; the model's formula (MFU's) gives this rank {report.model_flops / 1e12:,.3f} T",
              "  collectives of one step, by mesh dimension:" if report.collectives else "  no collectives"]
     if report.note:
         lines.insert(1, f"  note: {report.note}")
     for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
         lines.append(f"    {dim:12s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
+    p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster)
+    waits = ", ".join(f"{dim} {duration(seconds)}" for dim, seconds in
+                      sorted(p.exposed_by_dim.items(), key=lambda kv: -kv[1]) if seconds >= 0.01 * p.step_s)
+    lines.append(f"  predicted step {duration(p.step_s)}: compute {duration(p.compute_s)} beside "
+                 f"{duration(p.overlapped_s)} of overlapped collectives, then {duration(p.exposed_s)} waiting"
+                 + (f" ({waits})" if waits else ""))
+    lines.append(f"  predicted {p.tokens_per_gpu_s:,.0f} tokens/s per GPU, MFU {p.mfu:.1%}")
     return "\n".join(lines)
 
 
@@ -56,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                      allow_abbrev=False, epilog="Every other argument is a train.py config argument.")
     parser.add_argument("--world-size", type=positive_int, required=True, help="processes of the job")
     parser.add_argument("--ranks", help="comma-separated ranks to check (default: the first and the last)")
+    parser.add_argument("--cluster", default="h100",
+                        help="h100, h200, or a TOML file of changes to one (scripts/preflight/predict.py's Cluster)")
     args, config_args = parser.parse_known_args(argv)
     try:
         config = load_config(config_args)
@@ -63,12 +78,17 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else default_ranks(dims)
         if bad := [r for r in ranks if not 0 <= r < args.world_size]:
             raise ConfigError(f"--ranks {args.ranks}: {bad} not in 0 to {args.world_size - 1}")
+        cluster = load_cluster(args.cluster)
+        step = Step(config.training.mixed_precision_param, config.compile.enable,
+                    config.parallelism.enable_async_tensor_parallel, 0, args.world_size)
         print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
-              f"{dims.describe()}, ranks {ranks}", flush=True)
+              f"{dims.describe()}, ranks {ranks}\nprediction's assumptions:\n"
+              + "\n".join(f"  {line}" for line in assumptions(cluster, step)), flush=True)
         for rank in ranks:
             # A process per rank: torch keeps process groups and meshes in globals that one process cannot reset.
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-                print(describe(process.submit(preflight_rank, config, args.world_size, rank).result()), flush=True)
+                report = process.submit(preflight_rank, config, args.world_size, rank).result()
+                print(describe(report, dataclasses.replace(step, tokens=report.tokens), cluster), flush=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ class Collective:
     count: int = 0
     bytes: int = 0
     group_size: int = 0
+    ranks: tuple[int, ...] = ()
+    """Of the group (this rank's): which nodes the collective spans."""
 
 
 def group_names(meshes: list[DeviceMesh]) -> dict[tuple[int, ...], str]:
@@ -69,7 +71,8 @@ class CollectiveRecorder(TorchDispatchMode):
             dim = self.names.get(ranks, f"group of {len(ranks)}") if ranks else "?"
             sent = _sent(op, flat)
             record = self.calls[(op.rstrip("_"), dim)]
-            record.count, record.bytes, record.group_size = record.count + 1, record.bytes + sent, len(ranks)
+            record.count, record.bytes = record.count + 1, record.bytes + sent
+            record.group_size, record.ranks = len(ranks), ranks
         return func(*args, **(kwargs or {}))
 
 

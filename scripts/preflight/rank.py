@@ -4,7 +4,8 @@ process group (every collective returns at once, carrying no data), then one tra
 
 What differs from train.py, and why: the model is materialized as fake tensors (no weights are drawn: their
 values change nothing here); compile is off for the step (compiling on fake tensors would measure the compiler,
-and compiled code sends and computes the same); no data is read (the step's token ids are random, of the
+and compiled code sends and computes the same), and so is async TP (compiled CUDA code: the same collectives,
+overlapped, which the prediction assumes); no data is read (the step's token ids are random, of the
 batch's shape)."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake process group: private, here only
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from components.batch import batch_plan
@@ -32,6 +35,7 @@ from components.model_package import import_model_package
 from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
 from parallelisms.context_parallel import shard_sequence
+from parallelisms.float8 import pays_in_float8
 from scripts.memory_estimate.estimator import vocab_size
 from scripts.preflight.collectives import Collective, CollectiveRecorder
 
@@ -47,9 +51,12 @@ class RankReport:
     root_param_bytes: int = 0
     """Of the parameters outside the transformer blocks (embedding, final norm, output): FSDP's root unit."""
     optimizer_bytes: int = 0
-    flops: int | None = None
-    """Of this rank's step (forward, backward and optimizer), as torch's FLOP counter counts them; None under
-    tensor parallelism, where it cannot yet."""
+    flops: int = 0
+    """Of this rank's step (forward, backward and optimizer), as torch's FLOP counter counts them."""
+    float8_flops: int = 0
+    """Of them, those of the linear layers that compute in float8 on a GPU with float8 matmuls."""
+    tokens: int = 0
+    """Of the whole job, one step."""
     model_flops: float = 0.0
     """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
     collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
@@ -58,11 +65,13 @@ class RankReport:
     """What was assumed (a vocabulary where the tokenizer file is missing)."""
 
 
-def _as_gpu_attention(gpu_op) -> Callable:
-    """The FLOP formula torch's counter applies to `gpu_op`, for an op of the same arguments."""
-    formula = flop_registry[gpu_op]
+def _on_local_shards(formula) -> Callable:
+    """`formula` applied to what this rank computes: a DTensor operation's local shards. The counter sees a
+    DTensor's matmul once, with the DTensor's global shapes; DTensor then computes it on the local shards, which
+    the counter does not see."""
 
     def count(*args, **kwargs) -> int:
+        args, kwargs = tree_map_only(DTensor, DTensor.to_local, (args, kwargs))
         return formula(*args, **kwargs)
 
     count._get_raw = True  # the counter passes the tensors; the formula takes their shapes itself
@@ -72,11 +81,32 @@ def _as_gpu_attention(gpu_op) -> Callable:
 # The step runs the CPU's attention kernels, which torch's FLOP counter does not know: counted as the GPU ones are
 # (every query against every key, the convention of the models' flops_per_token too).
 aten = torch.ops.aten
-CPU_ATTENTION_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _as_gpu_attention(aten._scaled_dot_product_flash_attention),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_gpu_attention(
-        aten._scaled_dot_product_flash_attention_backward),
+LOCAL_FLOPS = {op: _on_local_shards(formula) for op, formula in flop_registry.items()} | {
+    aten._scaled_dot_product_flash_attention_for_cpu: _on_local_shards(
+        flop_registry[aten._scaled_dot_product_flash_attention]),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _on_local_shards(
+        flop_registry[aten._scaled_dot_product_flash_attention_backward]),
 }
+"""The formulas of the step's counter: torch's on each rank's local shards, CPU attention counted as GPU's."""
+
+
+def float8_flops(model: torch.nn.Module, counts: dict[str, dict], config: Config) -> int:
+    """Of the step's counted matmul FLOPs, those of the linear layers that compute in float8 on a GPU with float8
+    matmuls (emulated here, every eligible layer converts; on such a GPU `float8.skip_small_layers` keeps those
+    too small to pay in bf16): the linear layers' share by their weights' sizes, as every linear layer of a dense
+    model multiplies the same tokens. (The counter's own attribution to modules counts the backward of sibling
+    layers that share an input, w1 and w3, wk and wv, under both.)"""
+    if not config.float8.enable:
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+
+    def in_float8(m: torch.nn.Module) -> bool:
+        return isinstance(m, Float8Linear) and (not config.float8.skip_small_layers or pays_in_float8(
+            m.out_features, m.in_features, config.float8.recipe_name))
+
+    sizes = [(m.in_features * m.out_features, in_float8(m)) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    matmuls = sum(n for op, n in counts["Global"].items() if op in (aten.mm, aten.addmm))
+    return round(matmuls * sum(size for size, f8 in sizes if f8) / sum(size for size, _ in sizes))
 
 
 def _bytes(tensors) -> int:
@@ -101,7 +131,9 @@ def step_report(config: Config, fake: bool) -> RankReport:
 
     start = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    parallelism = dataclasses.replace(config.parallelism, enable_async_tensor_parallel=False)
+    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False),
+                                 parallelism=parallelism)
     device = torch.device("cpu")
     dims = ParallelDims.from_config(config.parallelism, world_size)
     check_supported(config, dims, device)
@@ -126,7 +158,7 @@ def step_report(config: Config, fake: bool) -> RankReport:
     model_part = package.parallelize(whole, dims, mesh, config, device)
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
-        config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
+        config.training.seq_len) * plan.tokens_per_step / world_size, tokens=plan.tokens_per_step, note=report_note)
     recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
@@ -139,13 +171,12 @@ def step_report(config: Config, fake: bool) -> RankReport:
         shape = (config.training.local_batch_size, config.training.seq_len + 1)
         batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
                    for _ in iter(int, 1))
-        with recorder, FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as flops:
+        with recorder, FlopCounterMode(display=False, custom_mapping=LOCAL_FLOPS) as flops:
             train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
                              NoReplicas())
             optimizers.step()
-        # Under tensor parallelism DTensor's operations reach the counter with their global shapes as well as
-        # the local ones: no count rather than a wrong one.
-        report.flops = flops.get_total_flops() if dims.tp == 1 else None
+        report.flops = flops.get_total_flops()
+        report.float8_flops = float8_flops(model_part, flops.get_flop_counts(), config)
         params = list(model_part.parameters())
         report.params = sum(local(p).numel() for p in params)
         report.param_bytes = _bytes(params)
