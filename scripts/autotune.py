@@ -375,6 +375,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--exhaustive", action="store_true",
                         help="run every candidate, not only the least recomputation that fits")
     parser.add_argument("--dry-run", action="store_true", help="print the candidates and their estimates, run nothing")
+    parser.add_argument("--predict", action="store_true",
+                        help="rank layouts (TP degree x AC x batch) by preflight's predicted tokens/s, run nothing")
+    parser.add_argument("--cluster", default="h100", help="with --predict: h100, h200 or a TOML file (preflight's)")
     return parser.parse_known_args(argv)
 
 
@@ -398,6 +401,18 @@ def build_space(config: Config, opts: argparse.Namespace, world_size: int) -> Se
                        dims.dp)
 
 
+def predict_main(opts: argparse.Namespace, base_args: list[str], world_size: int, space: SearchSpace) -> int:
+    from scripts.preflight.layouts import predict_layouts, table
+    from scripts.preflight.predict import load_cluster
+
+    cluster = load_cluster(opts.cluster)
+    print(f"autotune --predict: {world_size} GPUs of {cluster.name}, budget {opts.memory_budget_gib} GiB per GPU")
+    layouts = predict_layouts(base_args, world_size, opts.memory_budget_gib, cluster, space.ac_modes,
+                              space.batch_sizes)
+    print("\n" + table(layouts))
+    return 0 if layouts and layouts[0].prediction else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, base_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -407,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline = cpu_baseline_bytes(config) if target == "cpu" else None
         world_size = world_size_of(config, opts.world_size)
         space = build_space(config, opts, world_size)
+        if opts.predict:
+            return predict_main(opts, base_args, world_size, space)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -153,3 +153,30 @@ def test_a_cluster_file_changes_the_named_cluster_and_names_a_key_it_does_not_kn
         load_cluster(str(tmp_path / "typo.toml"))
     with pytest.raises(ValueError, match="neither a cluster .h100, h200. nor a TOML file"):
         load_cluster("a100")
+
+
+def test_autotune_predict_ranks_the_layouts_that_fit_by_preflight_s_predicted_tokens_per_second():
+    """At 4 ranks of the debug model: TP 1, 2, 4 x AC none, full; a budget of 0.1 GiB leaves out the two the memory
+    estimator puts over it (no checkpointing at TP 1 and 2); the others come fastest first, the first with the
+    tokens/s preflight itself predicts for that layout."""
+    base = ["--job.config_file", "debug_model.toml", "--batch-sizes", "4", "--ac-modes", "none,full"]
+    result = subprocess.run([sys.executable, "-m", "scripts.autotune", "--predict", "--world-size", "4",
+                             "--memory-budget-gib", "0.1", *base], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith("| tp ")]
+    assert len(rows) == 6
+    predicted = [row for row in rows if row[3]]
+    assert [row[0] for row in rows if not row[3]] == ["tp 1, AC none, batch 4", "tp 2, AC none, batch 4"]
+    assert all(float(row[1]) > 0.1 and "over the budget" in row[5] for row in rows if not row[3])
+    speeds = [int(row[3].replace(",", "")) for row in predicted]
+    assert speeds == sorted(speeds, reverse=True) and all(float(row[1]) <= 0.1 for row in predicted)
+    best = predicted[0][0]
+    tp = best.split(",")[0].split()[1]
+    alone = preflight("--world-size", "4", "--ranks", "0", "--job.config_file", "debug_model.toml",
+                      "--parallelism.tensor_parallel_degree", tp, "--parallelism.data_parallel_shard_degree",
+                      str(4 // int(tp)), "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                      best.split("AC ")[1].split(",")[0])
+    line = next(line for line in alone.stdout.splitlines() if "tokens/s per GPU" in line)
+    assert line.split("predicted ")[1].split(" tokens/s")[0] == predicted[0][3]

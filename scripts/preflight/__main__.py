@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
-from scripts.preflight.predict import Cluster, Step, assumptions, load_cluster, predict
+from scripts.preflight.predict import Cluster, Step, assumptions, duration, load_cluster, predict
 from scripts.preflight.rank import RankReport, preflight_rank
 
 GIB = 2**30
@@ -35,10 +35,6 @@ def default_ranks(dims: ParallelDims) -> list[int]:
 
 def size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
-
-
-def duration(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def describe(report: RankReport, step: Step, cluster: Cluster) -> str:

@@ -107,6 +107,10 @@ class Prediction:
     mfu: float
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def collective_seconds(op: str, c: Collective, cluster: Cluster) -> float:
     """A collective's ring volume over its slowest link, plus its latency a call."""
     n = c.group_size

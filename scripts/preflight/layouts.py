@@ -1,0 +1,88 @@
+"""`python -m scripts.autotune --predict --world-size N --memory-budget-gib G [--cluster ...]`: candidate layouts
+ranked by the tokens/s preflight predicts, among those the memory estimator fits in the budget, without running
+a training. A candidate is a tensor-parallel degree (a divisor of N within a node, FSDP over the rest) x an
+activation checkpointing mode x a local batch size; compile and float8 as configured. Pipeline and context
+parallelism are not searched (preflight cannot step a pipeline yet; context parallelism is for sequences a
+layout does not fit otherwise)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from components.config import ConfigError, load_config
+from components.distributed import ParallelDims
+from scripts.memory_estimate import estimate
+from scripts.preflight.predict import Cluster, Prediction, Step, duration, predict
+from scripts.preflight.rank import preflight_rank
+
+
+@dataclass
+class Layout:
+    tp: int
+    ac: str
+    local_batch: int
+    estimate_gib: float = 0.0
+    prediction: Prediction | None = None
+    problem: str = ""
+    """Why it was not predicted: over the budget, or the layout does not compose."""
+
+    def args(self, world_size: int) -> list[str]:
+        ac = (["--activation_checkpoint.mode", self.ac] if self.ac in ("none", "full") else
+              ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", self.ac])
+        return ["--parallelism.tensor_parallel_degree", str(self.tp), "--parallelism.data_parallel_shard_degree",
+                str(world_size // self.tp), "--parallelism.data_parallel_replicate_degree", "1",
+                "--parallelism.context_parallel_degree", "1", "--parallelism.pipeline_parallel_degree", "1",
+                "--training.local_batch_size", str(self.local_batch), "--training.global_batch_size", "-1", *ac]
+
+    @property
+    def name(self) -> str:
+        return f"tp {self.tp}, AC {self.ac}, batch {self.local_batch}"
+
+
+def candidates(world_size: int, cluster: Cluster, ac_modes: list[str], batches: list[int]) -> list[Layout]:
+    degrees = [tp for tp in range(1, min(world_size, cluster.gpus_per_node) + 1) if world_size % tp == 0]
+    return [Layout(tp, ac, batch) for tp in degrees for ac in ac_modes for batch in batches]
+
+
+def _predicted(config, world_size: int, cluster: Cluster) -> Prediction:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        report = process.submit(preflight_rank, config, world_size, 0).result()
+    step = Step(config.training.mixed_precision_param, config.compile.enable,
+                config.parallelism.enable_async_tensor_parallel, report.tokens, world_size)
+    return predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster)
+
+
+def predict_layouts(base_args: list[str], world_size: int, budget_gib: float, cluster: Cluster,
+                    ac_modes: list[str], batches: list[int], progress=print) -> list[Layout]:
+    """Every candidate, those predicted first, fastest first."""
+    layouts = candidates(world_size, cluster, ac_modes, batches)
+    for layout in layouts:
+        try:
+            config = load_config([*base_args, *layout.args(world_size)])
+            ParallelDims.from_config(config.parallelism, world_size)
+            layout.estimate_gib = estimate(config, world_size, "cuda").total_gib
+            if layout.estimate_gib > budget_gib:
+                layout.problem = f"estimate {layout.estimate_gib:.2f} GiB over the budget"
+            else:
+                layout.prediction = _predicted(config, world_size, cluster)
+        except (ConfigError, ValueError) as e:
+            layout.problem = f"does not compose: {e}"
+        progress(f"  {layout.name}: " + (layout.problem or f"{layout.prediction.tokens_per_gpu_s:,.0f} tokens/s"))
+    return sorted(layouts, key=lambda x: -x.prediction.tokens_per_gpu_s if x.prediction else 0)
+
+
+def table(layouts: list[Layout]) -> str:
+    rows = ["| layout | memory estimate GiB | predicted step | tokens/s per GPU | MFU | waits for |",
+            "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for x in layouts:
+        p = x.prediction
+        if p is None:
+            rows.append(f"| {x.name} | {x.estimate_gib:.2f} | | | | {x.problem} |")
+            continue
+        waits = ", ".join(f"{dim} {duration(s)}" for dim, s in sorted(p.exposed_by_dim.items(), key=lambda kv: -kv[1])
+                          if s >= 0.01 * p.step_s) or "nothing"
+        rows.append(f"| {x.name} | {x.estimate_gib:.2f} | {duration(p.step_s)} | {p.tokens_per_gpu_s:,.0f} | "
+                    f"{p.mfu:.1%} | {waits} |")
+    return "\n".join(rows)
