@@ -3,9 +3,10 @@ process group (every collective returns at once, carrying no data), then one tra
 (shapes and dtypes, no memory), recording what it sends and computes.
 
 What differs from train.py, and why: the model is materialized as fake tensors (no weights are drawn: their
-values change nothing here); compile is off for the step (compiling on fake tensors would measure the compiler,
-and compiled code sends and computes the same), and so is async TP (compiled CUDA code: the same collectives,
-overlapped, which the prediction assumes); no data is read (the step's token ids are random, of the
+values change nothing here); mixture-of-experts layers route evenly, fake tensors having no values to route by
+(scripts/preflight/routing.py); compile is off for the step (compiling on fake tensors would measure the
+compiler, and compiled code sends and computes the same), and so is async TP (compiled CUDA code: the same
+collectives, overlapped, which the prediction assumes); no data is read (the step's token ids are random, of the
 batch's shape)."""
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from components.fault_tolerance import NoReplicas
 from components.layout_checks import check_model_supported, check_supported
 from components.model_on_rank import local, prepare_batch
 from components.model_package import import_model_package
-from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import pays_in_float8
 from scripts.memory_estimate.estimator import vocab_size
 from scripts.preflight.collectives import Collective, CollectiveRecorder
+from scripts.preflight.routing import balance_routing
 
 
 @dataclass
@@ -146,8 +147,7 @@ def step_report(config: Config, fake: bool) -> RankReport:
         whole = package.Transformer(model_args)
     check_model_supported(config, dims, whole)
     unavailable = {
-        # Routing and document masks size tensors by the token values, which fake tensors do not have.
-        "mixture-of-experts models": has_moe_layer(whole),
+        # Document masks size tensors by the token values, which fake tensors do not have.
         "training.document_masking": config.training.document_masking,
         # torch's pipeline stages send each other their shapes at the first step: one rank alone receives none.
         "pipeline parallelism": dims.pp > 1,
@@ -156,10 +156,13 @@ def step_report(config: Config, fake: bool) -> RankReport:
         raise ConfigError(f"not available yet in preflight: {', '.join(names)}; python -m scripts.memory_estimate "
                           "estimates their memory")
     model_part = package.parallelize(whole, dims, mesh, config, device)
+    if fake and balance_routing(model_part, dims.ep_mesh.get_group() if dims.ep > 1 else None):
+        report_note = "; ".join(filter(None, [report_note, "routing assumed balanced: each expert an equal share"]))
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
         config.training.seq_len) * plan.tokens_per_step / world_size, tokens=plan.tokens_per_step, note=report_note)
-    recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh])
+    recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh,
+                                   dims.expert_fsdp_mesh, *([dims.ep_mesh] if dims.ep > 1 else [])])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
         model_part.to_empty(device=device)
