@@ -26,14 +26,24 @@ class Collective:
     """Of the group (this rank's): which nodes the collective spans."""
 
 
+DATA_PARALLEL = ("dp", "expert_shard", "moe_shard")
+"""Names (prefixes) of the dimensions whose groups carry FSDP's and HSDP's collectives."""
+
+
+def is_data_parallel(label: str) -> bool:
+    return label.startswith(DATA_PARALLEL) or label.endswith("=dp")
+
+
 def group_names(meshes: list[DeviceMesh]) -> dict[tuple[int, ...], str]:
     """The ranks of each named dimension's group (this rank's), by the first name that has them: the world mesh's
-    dimensions, then those ParallelDims.build_mesh made of several (`dp`, `dp_cp`, `dp_shard_cp`, ...)."""
-    names: dict[tuple[int, ...], str] = {}
+    dimensions, then those ParallelDims.build_mesh made of several (`dp`, `dp_cp`, `dp_shard_cp`, ...); `ep=dp`
+    where a group of another dimension is also a data-parallel one (expert parallelism over all the shard ranks)."""
+    names: dict[tuple[int, ...], list[str]] = {}
     for mesh in meshes:
         for name in mesh.mesh_dim_names:
-            names.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), name)
-    return names
+            names.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), []).append(name)
+    return {ranks: first if is_data_parallel(first) or not any(map(is_data_parallel, rest)) else f"{first}=dp"
+            for ranks, (first, *rest) in names.items()}
 
 
 def _group(args) -> dist.ProcessGroup | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from components.metrics import GPU_PEAK_TFLOPS
-from scripts.preflight.collectives import Collective
+from scripts.preflight.collectives import Collective, is_data_parallel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,8 +131,10 @@ def collective_seconds(op: str, c: Collective, cluster: Cluster) -> float:
 
 
 def overlapped(op: str, dim: str, c: Collective, step: Step) -> bool:
-    data_parallel = dim.startswith("dp") or dim in ("expert_shard", "moe_shard")
-    return (data_parallel and c.bytes >= BULK_BYTES * c.count) or (dim == "tp" and step.async_tp)
+    """FSDP's and HSDP's bulk collectives (expert parallelism's all-to-alls wait, whatever their group), and TP's
+    under async TP."""
+    fsdp = is_data_parallel(dim) and "all_to_all" not in op and "alltoall" not in op
+    return (fsdp and c.bytes >= BULK_BYTES * c.count) or (dim == "tp" and step.async_tp)
 
 
 def predict(flops: float, float8_flops: float, model_flops: float, collectives: dict[tuple[str, str], Collective],
