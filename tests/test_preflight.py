@@ -74,6 +74,24 @@ def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_
     assert collectives(fake)[routed] == [16, 16 * (2 * 64 * 2) * 256 * 4, 2]
 
 
+def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gpu():
+    """The debug model's linear layers, all converted when emulated here: on a GPU, skip_small_layers keeps every one
+    of them in bf16 (too small for float8 to pay), so none of the step's FLOPs are float8's; without it, the blocks'
+    share of the linear layers' weights (the output projection stays in high precision), of the matmuls' FLOPs."""
+    args = ["--job.config_file", "debug_model.toml", "--float8.enable", "true", "--training.seq_len", "64"]
+    assert fake_step(args, 1, 0).float8_flops == 0
+    report = fake_step([*args, "--float8.skip_small_layers", "false"], 1, 0)
+    dim, hidden, kv, vocab, layers = 256, 768, 64, 4096, 6
+    blocks = layers * (2 * dim * dim + 2 * dim * kv + 3 * dim * hidden)
+    matmuls = 6 * config_tokens(args) * (blocks + dim * vocab)  # forward and backward of every linear layer
+    assert report.float8_flops == pytest.approx(matmuls * blocks / (blocks + dim * vocab), rel=1e-6)
+
+
+def config_tokens(args: list[str]) -> int:
+    training = load_config(args).training
+    return training.local_batch_size * training.seq_len
+
+
 def preflight(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "scripts.preflight", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -33,6 +33,7 @@ from components.fault_tolerance import NoReplicas
 from components.layout_checks import check_model_supported, check_supported
 from components.model_on_rank import local, prepare_batch
 from components.model_package import import_model_package
+from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import pays_in_float8
@@ -96,8 +97,9 @@ def float8_flops(model: torch.nn.Module, counts: dict[str, dict], config: Config
     matmuls (emulated here, every eligible layer converts; on such a GPU `float8.skip_small_layers` keeps those
     too small to pay in bf16): the linear layers' share by their weights' sizes, as every linear layer of a dense
     model multiplies the same tokens. (The counter's own attribution to modules counts the backward of sibling
-    layers that share an input, w1 and w3, wk and wv, under both.)"""
-    if not config.float8.enable:
+    layers that share an input, w1 and w3, wk and wv, under both.) Zero for a mixture-of-experts model, whose
+    experts' matmuls are no linear layers' (a prediction then takes every matmul at bf16's speed)."""
+    if not config.float8.enable or has_moe_layer(model):
         return 0
     from torchao.float8.float8_linear import Float8Linear
 
