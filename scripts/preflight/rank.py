@@ -36,7 +36,7 @@ from components.model_package import import_model_package
 from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
 from parallelisms.context_parallel import shard_sequence
-from parallelisms.float8 import pays_in_float8
+from parallelisms.float8 import pays_in_float8, precompute_float8_scales
 from scripts.memory_estimate.estimator import vocab_size
 from scripts.preflight.collectives import Collective, CollectiveRecorder
 from scripts.preflight.routing import balance_routing
@@ -176,10 +176,17 @@ def step_report(config: Config, fake: bool) -> RankReport:
         shape = (config.training.local_batch_size, config.training.seq_len + 1)
         batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
                    for _ in iter(int, 1))
+        # A step after the first: with float8's scales precomputed after every optimizer step, as train.py's
+        # loop does, the casts for FSDP's float8 all-gathers need no all-reduce of their own (the first step's do).
+        precompute = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
+        if precompute:
+            precompute_float8_scales(model_part)
         with recorder, FlopCounterMode(display=False, custom_mapping=LOCAL_FLOPS) as flops:
             train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
                              NoReplicas())
             optimizers.step()
+            if precompute:
+                precompute_float8_scales(model_part)
         report.flops = flops.get_total_flops()
         report.float8_flops = float8_flops(model_part, flops.get_flop_counts(), config)
         params = list(model_part.parameters())
