@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad := [r for r in ranks if not 0 <= r < args.world_size]:
             raise ConfigError(f"--ranks {args.ranks}: {bad} not in 0 to {args.world_size - 1}")
         cluster = load_cluster(args.cluster)
-        step = Step(config.training.mixed_precision_param, config.compile.enable,
-                    config.parallelism.enable_async_tensor_parallel, 0, args.world_size)
+        step = Step.of(config, 0, args.world_size)
         print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
               f"{dims.describe()}, ranks {ranks}\nprediction's assumptions:\n"
               + "\n".join(f"  {line}" for line in assumptions(cluster, step)), flush=True)

@@ -49,9 +49,8 @@ def candidates(world_size: int, cluster: Cluster, ac_modes: list[str], batches: 
 def _predicted(config, world_size: int, cluster: Cluster) -> Prediction:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
         report = process.submit(preflight_rank, config, world_size, 0).result()
-    step = Step(config.training.mixed_precision_param, config.compile.enable,
-                config.parallelism.enable_async_tensor_parallel, report.tokens, world_size)
-    return predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster)
+    return predict(report.flops, report.float8_flops, report.model_flops, report.collectives,
+                   Step.of(config, report.tokens, world_size), cluster)
 
 
 def predict_layouts(base_args: list[str], world_size: int, budget_gib: float, cluster: Cluster,

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.config import Config
 from components.metrics import GPU_PEAK_TFLOPS
 from scripts.preflight.collectives import Collective, is_data_parallel
 
@@ -94,6 +95,11 @@ class Step:
     tokens: int
     """Of the whole job, one step."""
     world_size: int
+
+    @classmethod
+    def of(cls, config: Config, tokens: int, world_size: int) -> Step:
+        return cls(config.training.mixed_precision_param, config.compile.enable,
+                   config.parallelism.enable_async_tensor_parallel, tokens, world_size)
 
 
 @dataclass
