@@ -35,6 +35,13 @@ AC_MODES = ("none", "op", "full")
 # --------------------------------------------------------------------------------------------------
 
 
+def ac_flags(ac: str) -> list[str]:
+    """The config arguments of an activation checkpointing mode: none, full, op or N (selective)."""
+    if ac in ("none", "full"):
+        return ["--activation_checkpoint.mode", ac]
+    return ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", ac]
+
+
 @dataclass(frozen=True)
 class Candidate:
     local_batch: int
@@ -47,12 +54,7 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         out = ["--training.local_batch_size", str(self.local_batch),
-               "--training.global_batch_size", str(self.global_batch)]
-        if self.ac in ("none", "full"):
-            out += ["--activation_checkpoint.mode", self.ac]
-        else:
-            out += ["--activation_checkpoint.mode", "selective",
-                    "--activation_checkpoint.selective_ac_option", self.ac]
+               "--training.global_batch_size", str(self.global_batch), *ac_flags(self.ac)]
         out += ["--compile.enable", str(self.compile).lower()]
         if self.float8:
             out += ["--float8.enable", "true"]

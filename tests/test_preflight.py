@@ -3,11 +3,9 @@ on fake tensors: its share of the model and optimizer state, the collectives of 
 train.py's own errors for a layout that does not compose."""
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from conftest import REPO, on_ranks
 from components.config import load_config
 from scripts.preflight.collectives import Collective
 from scripts.preflight.predict import CLUSTERS, Step, load_cluster, predict
-from scripts.preflight.rank import RankReport, preflight_rank, step_report
+from scripts.preflight.rank import RankReport, run_rank, step_report
 
 FSDP4_TP2 = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "4",
              "--parallelism.tensor_parallel_degree", "2"]
@@ -25,8 +23,7 @@ FSDP4_TP2 = ["--job.config_file", "debug_model.toml", "--parallelism.data_parall
 
 def fake_step(config_args: list[str], world_size: int, rank: int) -> RankReport:
     """preflight_rank in a process of its own, as the command runs it."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-        return process.submit(preflight_rank, load_config(config_args), world_size, rank).result()
+    return run_rank(load_config(config_args), world_size, rank)
 
 
 def collectives(report: RankReport) -> dict[str, list[int]]:

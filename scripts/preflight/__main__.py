@@ -8,15 +8,12 @@ FLOPs, and the step's time, tokens/s and MFU predicted on a GPU cluster (docs/pr
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import multiprocessing
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
 from scripts.preflight.predict import Cluster, Step, assumptions, duration, load_cluster, predict
-from scripts.preflight.rank import RankReport, preflight_rank
+from scripts.preflight.rank import RankReport, run_rank
 
 GIB = 2**30
 
@@ -51,8 +48,7 @@ def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
     for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
         lines.append(f"    {dim:12s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
     p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster)
-    waits = ", ".join(f"{dim} {duration(seconds)}" for dim, seconds in
-                      sorted(p.exposed_by_dim.items(), key=lambda kv: -kv[1]) if seconds >= 0.01 * p.step_s)
+    waits = p.waits()
     lines.append(f"  predicted step {duration(p.step_s)}: compute {duration(p.compute_s)} beside "
                  f"{duration(p.overlapped_s)} of overlapped collectives, then {duration(p.exposed_s)} waiting"
                  + (f" ({waits})" if waits else ""))
@@ -75,15 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad := [r for r in ranks if not 0 <= r < args.world_size]:
             raise ConfigError(f"--ranks {args.ranks}: {bad} not in 0 to {args.world_size - 1}")
         cluster = load_cluster(args.cluster)
-        step = Step.of(config, 0, args.world_size)
+        step = Step.of(config, dims)
         print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
               f"{dims.describe()}, ranks {ranks}\nprediction's assumptions:\n"
               + "\n".join(f"  {line}" for line in assumptions(cluster, step)), flush=True)
         for rank in ranks:
-            # A process per rank: torch keeps process groups and meshes in globals that one process cannot reset.
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-                report = process.submit(preflight_rank, config, args.world_size, rank).result()
-                print(describe(report, dataclasses.replace(step, tokens=report.tokens), cluster), flush=True)
+            print(describe(run_rank(config, args.world_size, rank), step, cluster), flush=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,15 +7,14 @@ layout does not fit otherwise)."""
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
+from scripts.autotune import ac_flags
 from scripts.memory_estimate import estimate
 from scripts.preflight.predict import Cluster, Prediction, Step, duration, predict
-from scripts.preflight.rank import preflight_rank
+from scripts.preflight.rank import run_rank
 
 
 @dataclass
@@ -29,12 +28,11 @@ class Layout:
     """Why it was not predicted: over the budget, or the layout does not compose."""
 
     def args(self, world_size: int) -> list[str]:
-        ac = (["--activation_checkpoint.mode", self.ac] if self.ac in ("none", "full") else
-              ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", self.ac])
         return ["--parallelism.tensor_parallel_degree", str(self.tp), "--parallelism.data_parallel_shard_degree",
                 str(world_size // self.tp), "--parallelism.data_parallel_replicate_degree", "1",
                 "--parallelism.context_parallel_degree", "1", "--parallelism.pipeline_parallel_degree", "1",
-                "--training.local_batch_size", str(self.local_batch), "--training.global_batch_size", "-1", *ac]
+                "--training.local_batch_size", str(self.local_batch), "--training.global_batch_size", "-1",
+                *ac_flags(self.ac)]
 
     @property
     def name(self) -> str:
@@ -46,13 +44,6 @@ def candidates(world_size: int, cluster: Cluster, ac_modes: list[str], batches: 
     return [Layout(tp, ac, batch) for tp in degrees for ac in ac_modes for batch in batches]
 
 
-def _predicted(config, world_size: int, cluster: Cluster) -> Prediction:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-        report = process.submit(preflight_rank, config, world_size, 0).result()
-    return predict(report.flops, report.float8_flops, report.model_flops, report.collectives,
-                   Step.of(config, report.tokens, world_size), cluster)
-
-
 def predict_layouts(base_args: list[str], world_size: int, budget_gib: float, cluster: Cluster,
                     ac_modes: list[str], batches: list[int], progress=print) -> list[Layout]:
     """Every candidate, those predicted first, fastest first."""
@@ -60,12 +51,14 @@ def predict_layouts(base_args: list[str], world_size: int, budget_gib: float, cl
     for layout in layouts:
         try:
             config = load_config([*base_args, *layout.args(world_size)])
-            ParallelDims.from_config(config.parallelism, world_size)
+            dims = ParallelDims.from_config(config.parallelism, world_size)
             layout.estimate_gib = estimate(config, world_size, "cuda").total_gib
             if layout.estimate_gib > budget_gib:
                 layout.problem = f"estimate {layout.estimate_gib:.2f} GiB over the budget"
             else:
-                layout.prediction = _predicted(config, world_size, cluster)
+                r = run_rank(config, world_size, 0)
+                layout.prediction = predict(r.flops, r.float8_flops, r.model_flops, r.collectives,
+                                            Step.of(config, dims), cluster)
         except (ConfigError, ValueError) as e:
             layout.problem = f"does not compose: {e}"
         progress(f"  {layout.name}: " + (layout.problem or f"{layout.prediction.tokens_per_gpu_s:,.0f} tokens/s"))
@@ -80,8 +73,6 @@ def table(layouts: list[Layout]) -> str:
         if p is None:
             rows.append(f"| {x.name} | {x.estimate_gib:.2f} | | | | {x.problem} |")
             continue
-        waits = ", ".join(f"{dim} {duration(s)}" for dim, s in sorted(p.exposed_by_dim.items(), key=lambda kv: -kv[1])
-                          if s >= 0.01 * p.step_s) or "nothing"
         rows.append(f"| {x.name} | {x.estimate_gib:.2f} | {duration(p.step_s)} | {p.tokens_per_gpu_s:,.0f} | "
-                    f"{p.mfu:.1%} | {waits} |")
+                    f"{p.mfu:.1%} | {p.waits() or 'nothing'} |")
     return "\n".join(rows)

@@ -20,7 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.batch import batch_plan
 from components.config import Config
+from components.distributed import ParallelDims
 from components.metrics import GPU_PEAK_TFLOPS
 from scripts.preflight.collectives import Collective, is_data_parallel
 
@@ -97,9 +99,10 @@ class Step:
     world_size: int
 
     @classmethod
-    def of(cls, config: Config, tokens: int, world_size: int) -> Step:
+    def of(cls, config: Config, dims: ParallelDims) -> Step:
         return cls(config.training.mixed_precision_param, config.compile.enable,
-                   config.parallelism.enable_async_tensor_parallel, tokens, world_size)
+                   config.parallelism.enable_async_tensor_parallel,
+                   batch_plan(config.training, dims.dp).tokens_per_step, dims.world_size)
 
 
 @dataclass
@@ -111,6 +114,11 @@ class Prediction:
     step_s: float
     tokens_per_gpu_s: float
     mfu: float
+
+    def waits(self) -> str:
+        """What the step waits for, by mesh dimension, longest first (those over 1% of the step)."""
+        return ", ".join(f"{dim} {duration(s)}" for dim, s in sorted(self.exposed_by_dim.items(), key=lambda kv: -kv[1])
+                         if s >= 0.01 * self.step_s)
 
 
 def duration(seconds: float) -> str:

@@ -12,8 +12,10 @@ batch's shape)."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,8 +59,6 @@ class RankReport:
     """Of this rank's step (forward, backward and optimizer), as torch's FLOP counter counts them."""
     float8_flops: int = 0
     """Of them, those of the linear layers that compute in float8 on a GPU with float8 matmuls."""
-    tokens: int = 0
-    """Of the whole job, one step."""
     model_flops: float = 0.0
     """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
     collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
@@ -116,6 +116,13 @@ def _bytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
+def run_rank(config: Config, world_size: int, rank: int) -> RankReport:
+    """preflight_rank in a process of its own: torch keeps process groups and meshes in globals that one process
+    cannot reset."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        return process.submit(preflight_rank, config, world_size, rank).result()
+
+
 def preflight_rank(config: Config, world_size: int, rank: int) -> RankReport:
     """Build and step `rank` of `world_size` as train.py would, over the fake process group on fake tensors; a
     layout that does not compose raises the ConfigError train.py raises."""
@@ -162,7 +169,7 @@ def step_report(config: Config, fake: bool) -> RankReport:
         report_note = "; ".join(filter(None, [report_note, "routing assumed balanced: each expert an equal share"]))
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
-        config.training.seq_len) * plan.tokens_per_step / world_size, tokens=plan.tokens_per_step, note=report_note)
+        config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
     recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh,
                                    dims.expert_fsdp_mesh, *([dims.ep_mesh] if dims.ep > 1 else [])])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
