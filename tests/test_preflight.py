@@ -98,7 +98,8 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
     """The debug model (fp32, 6 blocks) at 8 ranks, rank 5 (dp_shard 2, tp 1): an eighth of its block and output
     weights (the embedding shards over FSDP only, its norms likewise), AdamW's two moments of each (fp32); FSDP gathers
     each block's shard in forward and again in backward (the root's once: never resharded) and reduce-scatters
-    every unit's gradients once, over the 4 shard ranks; TP's collectives go over the 2 TP ranks."""
+    every unit's gradients once, over the 4 shard ranks; TP's collectives go over the 2 TP ranks, and the gradient
+    norm's over all of them."""
     report = fake_step(FSDP4_TP2, 8, 5)
     assert report.coordinates == {"dp_shard": 2, "tp": 1}
     assert report.param_bytes == 4 * report.params
@@ -110,7 +111,9 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
     block_bytes = report.param_bytes - report.root_param_bytes
     assert gather.bytes == 2 * block_bytes + report.root_param_bytes
     assert scatter.bytes == 4 * report.param_bytes  # a reduce-scatter puts in the whole gradient of its unit
-    assert {dim for _, dim in report.collectives} == {"dp_shard", "tp"}
+    assert {dim for _, dim in report.collectives} == {"dp_shard", "tp", "dp_shard+tp"}
+    # The gradient norm, a sum over all 8 ranks that DTensor reduces inside the clipping's operators.
+    assert report.collectives[("all_reduce", "dp_shard+tp")].count == 1
     assert all(c.group_size == 2 for (_, dim), c in report.collectives.items() if dim == "tp")
     # This rank's FLOPs: its matmuls on its TP shards (DTensor's, counted on the local shards), near the formula.
     assert report.model_flops < report.flops < 1.1 * report.model_flops

@@ -4,12 +4,14 @@ ones alike."""
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -35,15 +37,30 @@ def is_data_parallel(label: str) -> bool:
 
 
 def group_names(meshes: list[DeviceMesh]) -> dict[tuple[int, ...], str]:
-    """The ranks of each named dimension's group (this rank's), by the first name that has them: the world mesh's
-    dimensions, then those ParallelDims.build_mesh made of several (`dp`, `dp_cp`, `dp_shard_cp`, ...); `ep=dp`
-    where a group of another dimension is also a data-parallel one (expert parallelism over all the shard ranks)."""
+    """The ranks of each named dimension's group (this rank's, sorted), by the first name that has them: the world
+    mesh's dimensions, then those ParallelDims.build_mesh made of several (`dp`, `dp_cp`, `dp_shard_cp`, ...); `ep=dp`
+    where a group of another dimension is also a data-parallel one (expert parallelism over all the shard ranks);
+    then groups over several of the world mesh's dimensions that no name has, by theirs (`dp_shard+tp`: DTensor
+    reduces a norm sharded over both at once)."""
     names: dict[tuple[int, ...], list[str]] = {}
     for mesh in meshes:
         for name in mesh.mesh_dim_names:
-            names.setdefault(tuple(dist.get_process_group_ranks(mesh[name].get_group())), []).append(name)
-    return {ranks: first if is_data_parallel(first) or not any(map(is_data_parallel, rest)) else f"{first}=dp"
-            for ranks, (first, *rest) in names.items()}
+            names.setdefault(tuple(sorted(dist.get_process_group_ranks(mesh[name].get_group()))), []).append(name)
+    named = {ranks: first if is_data_parallel(first) or not any(map(is_data_parallel, rest)) else f"{first}=dp"
+             for ranks, (first, *rest) in names.items()}
+    return _spans(meshes[0]) | named
+
+
+def _spans(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+    """This rank's group along each combination of two or more of `mesh`'s dimensions of more than one rank."""
+    dims = [name for name in mesh.mesh_dim_names if mesh[name].size() > 1]
+    here = mesh.get_coordinate()
+    spans = {}
+    for n in range(2, len(dims) + 1):
+        for combo in itertools.combinations(dims, n):
+            index = tuple(slice(None) if name in combo else here[i] for i, name in enumerate(mesh.mesh_dim_names))
+            spans[tuple(sorted(mesh.mesh[index].flatten().tolist()))] = "+".join(combo)
+    return spans
 
 
 def _group(args) -> dist.ProcessGroup | None:
@@ -65,7 +82,11 @@ def _group(args) -> dist.ProcessGroup | None:
 
 class CollectiveRecorder(TorchDispatchMode):
     """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
-    of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out."""
+    of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out.
+
+    An operator on DTensors is handed back to DTensor (NotImplemented) rather than called here: torch sets a mode
+    aside while it runs the mode's own handler, so the collectives DTensor issues inside the operator (an implicit
+    redistribution, such as a norm's Partial sum made Replicate) would pass unseen; handed back, they come here."""
 
     def __init__(self, meshes: list[DeviceMesh]):
         super().__init__()
@@ -74,10 +95,12 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, op = func.namespace, func._schema.name.split("::")[-1]
+        flat, _ = tree_flatten((args, kwargs or {}))
+        if any(isinstance(arg, DTensor) for arg in flat):
+            return NotImplemented
         if namespace in NAMESPACES and op not in SKIPPED:
-            flat, _ = tree_flatten((args, kwargs or {}))
             group = _group(flat)
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+            ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
             dim = self.names.get(ranks, f"group of {len(ranks)}") if ranks else "?"
             sent = _sent(op, flat)
             record = self.calls[(op.rstrip("_"), dim)]

@@ -170,8 +170,9 @@ def step_report(config: Config, fake: bool) -> RankReport:
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
         config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
-    recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh, dims.moe_fsdp_mesh,
-                                   dims.expert_fsdp_mesh, *([dims.ep_mesh] if dims.ep > 1 else [])])
+    moe_meshes = [dims.moe_fsdp_mesh, dims.expert_fsdp_mesh, *([dims.ep_mesh] if dims.ep > 1 else [])]
+    recorder = CollectiveRecorder([mesh, dims.dp_mesh, dims.loss_mesh, dims.fsdp_mesh,
+                                   *(moe_meshes if has_moe_layer(whole) else [])])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
         model_part.to_empty(device=device)
