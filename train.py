@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -253,9 +253,10 @@ def place_model(whole_model: nn.Module, model_package, dims: ParallelDims, mesh:
 
 
 def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages: int, dims: ParallelDims,
-                  mesh: DeviceMesh, config: Config, device: torch.device, grad_accum_steps: int) -> ModelOnRank:
+                  mesh: DeviceMesh, config: Config, device: torch.device, grad_accum_steps: int,
+                  make_stage: Callable | None = None) -> ModelOnRank:
     """The parts with their loss (with z-loss: a ZLoss; with multi-token prediction: a MultiTokenLoss) and, under
-    pipeline parallelism, the pipeline."""
+    pipeline parallelism, the pipeline (its stages made by `make_stage`, as build_pipeline says)."""
     # Read from this module's globals at this point, so that a test can swap the loss (test_reliability.py).
     compile_loss = config.compile.enable and dims.tp == 1
     loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
@@ -266,7 +267,7 @@ def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages
     pipeline = None
     if dims.pp > 1:
         pipeline = build_pipeline(model_parts, stage_ids, num_stages, mesh["pp"], config, device, loss_fn,
-                                  grad_accum_steps)
+                                  grad_accum_steps, make_stage)
     return ModelOnRank(
         model_parts, pipeline, loss_fn, loss_parallel=dims.tp > 1,
         pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,

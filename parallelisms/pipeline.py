@@ -344,11 +344,14 @@ def build_pipeline(
     device: torch.device,
     loss_fn,
     grad_accum_steps: int = 1,
+    make_stage: Callable | None = None,
 ) -> Pipeline:
     """The pipeline running this rank's parts (parallelized and materialized: the PipelineStage
     objects are built now, so that they wrap exactly the modules that will run) with the schedule
     and micro-batch size of config.parallelism; `loss_fn` and `grad_accum_steps` as for
-    build_pipeline_schedule."""
+    build_pipeline_schedule. `make_stage(part, stage_id, num_stages, device, group=...)` makes each stage: by
+    default torch's PipelineStage, which learns its shapes from its neighbours at the first step (preflight, a rank
+    alone, gives them instead: scripts/preflight/pipeline.py)."""
     p = config.parallelism
     local_batch, mb_size = config.training.local_batch_size, p.pipeline_parallel_microbatch_size
     if mb_size < 1 or local_batch % mb_size:
@@ -362,9 +365,9 @@ def build_pipeline(
             f"{torch.__version__}'s V schedules send between a rank's own two stages through gloo, which cannot; "
             "pick Interleaved1F1B or another looped schedule, or upgrade torch"
         )
-    group = pp_mesh.get_group()
+    group, make_stage = pp_mesh.get_group(), make_stage or _pipelining().PipelineStage
     stages = [
-        _pipelining().PipelineStage(part, stage_id, num_stages, device, group=group)
+        make_stage(part, stage_id, num_stages, device, group=group)
         for part, stage_id in zip(model_parts, stage_ids)
     ]
     n_microbatches = local_batch // mb_size

@@ -378,7 +378,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="run every candidate, not only the least recomputation that fits")
     parser.add_argument("--dry-run", action="store_true", help="print the candidates and their estimates, run nothing")
     parser.add_argument("--predict", action="store_true",
-                        help="rank layouts (TP degree x AC x batch) by preflight's predicted tokens/s, run nothing")
+                        help="rank layouts (TP, PP x AC x batch) by preflight's predicted tokens/s, run nothing")
+    parser.add_argument("--pp-degrees", default="1", help="with --predict: pipeline degrees to try (default 1)")
     parser.add_argument("--cluster", default="h100", help="with --predict: h100, h200 or a TOML file (preflight's)")
     return parser.parse_known_args(argv)
 
@@ -409,8 +410,12 @@ def predict_main(opts: argparse.Namespace, base_args: list[str], world_size: int
 
     cluster = load_cluster(opts.cluster)
     print(f"autotune --predict: {world_size} GPUs of {cluster.name}, budget {opts.memory_budget_gib} GiB per GPU")
+    try:
+        pp_degrees = sorted({int(d) for d in opts.pp_degrees.split(",")})
+    except ValueError:
+        raise ConfigError(f"--pp-degrees must be integers, got {opts.pp_degrees!r}") from None
     layouts = predict_layouts(base_args, world_size, opts.memory_budget_gib, cluster, space.ac_modes,
-                              space.batch_sizes)
+                              space.batch_sizes, pp_degrees)
     print("\n" + table(layouts))
     return 0 if layouts and layouts[0].prediction else 1
 

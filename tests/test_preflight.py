@@ -52,6 +52,32 @@ def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path
         assert {"_allgather_base over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
 
 
+@pytest.mark.parametrize("layout, tp, sends", [
+    (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     1, 3),
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 2, 2),
+], ids=["fsdp2_interleaved", "tp2_zero_bubble_v"])
+def test_a_pipeline_rank_given_its_stages_shapes_records_the_collectives_of_a_real_step_over_gloo(
+        tmp_path, layout, tp, sends):
+    """Pipeline 2 x FSDP 2 (interleaved 1F1B) and pipeline 2 x TP 2 (the V-shaped zero-bubble schedule, the last
+    stage's logits a DTensor) at 4 processes, 4 micro-batches, two stages a rank: preflight gives each stage its
+    shapes (a rank alone cannot learn them from its neighbours), and the first and the last rank's collectives,
+    the pipeline's sends and receives among them, equal those of 4 real gloo processes stepped likewise."""
+    args = ["--job.config_file", "debug_model.toml", "--parallelism.pipeline_parallel_degree", "2", *layout,
+            "--training.seq_len", "64", "--training.local_batch_size", "4"]
+    on_ranks(_real_step, 4, 4, str(tmp_path / "store"), args)
+    for rank in (0, 3):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        report = fake_step(args, 4, rank)
+        assert collectives(report) == real, rank
+        # Each stage boundary the rank sends across (interleaved: 3, V: 2) carries the 4 micro-batches'
+        # activations (1 x 64 tokens, a TP rank's share of them, x 256 fp32 values) or their gradients, and a vote
+        # on whether every stage was given its shapes (an int32).
+        activation = 64 // tp * 256 * 4
+        assert real["send over pp"][:2] == [sends * 4 + sends, sends * 4 * activation + sends * 4]
+        assert report.pipeline_bubble == 1 / (2 * 4)
+
+
 def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_real_step_over_gloo(tmp_path):
     """The debug MoE model, FSDP 4 x EP 2 at 4 processes: preflight routes each expert an equal share of the slots
     (fake tensors have no values to route by); the step calls the same collectives, as often, over the same groups,
@@ -122,11 +148,11 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
 @pytest.mark.parametrize("args, error", [
     (["--world-size", "6", "--parallelism.tensor_parallel_degree", "3"],
      "error: parallelism.tensor_parallel_degree 3 must divide model.n_heads (16)"),
-    (["--world-size", "4", "--parallelism.pipeline_parallel_degree", "2"],
-     "error: not available yet in preflight: pipeline parallelism; python -m scripts.memory_estimate estimates their "
-     "memory"),
+    (["--world-size", "2", "--training.document_masking", "true"],
+     "error: not available yet in preflight: training.document_masking; python -m scripts.memory_estimate estimates "
+     "its memory"),
     (["--world-size", "2", "--ranks", "2"], "error: --ranks 2: [2] not in 0 to 1"),
-], ids=["tp_does_not_divide_heads", "pipeline", "rank_outside"])
+], ids=["tp_does_not_divide_heads", "document_masking", "rank_outside"])
 def test_what_does_not_compose_or_is_not_covered_yet_is_one_line_and_exit_2(args, error):
     result = preflight(*args)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -193,28 +219,35 @@ def test_a_cluster_file_changes_the_named_cluster_and_names_a_key_it_does_not_kn
 
 
 def test_autotune_predict_ranks_the_layouts_that_fit_by_preflight_s_predicted_tokens_per_second():
-    """At 2 ranks of the debug model: TP 1, 2 x AC none, full; a budget of 0.12 GiB leaves out the two the memory
-    estimator puts over it (no checkpointing); the others come fastest first, the first with the tokens/s preflight
-    itself predicts for that layout."""
-    base = ["--job.config_file", "debug_model.toml", "--batch-sizes", "4", "--ac-modes", "none,full"]
+    """At 2 ranks of the debug model: TP 1, 2 and PP 2 x AC none, full; a budget of 0.12 GiB leaves out those the
+    memory estimator puts over it (no checkpointing); the others come fastest first, the first with the tokens/s
+    preflight itself predicts for that layout."""
+    base = ["--job.config_file", "debug_model.toml", "--batch-sizes", "4", "--ac-modes", "none,full",
+            "--pp-degrees", "1,2"]
     result = subprocess.run([sys.executable, "-m", "scripts.autotune", "--predict", "--world-size", "2",
                              "--memory-budget-gib", "0.12", *base], cwd=REPO, capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
             if line.startswith("| tp ")]
-    assert len(rows) == 4
+    assert {row[0] for row in rows} == {f"tp {tp}, {pp}AC {ac}, batch 4" for tp, pp in ((1, ""), (2, ""), (1, "pp 2, "))
+                                        for ac in ("none", "full")}
     predicted = [row for row in rows if row[3]]
-    assert [row[0] for row in rows if not row[3]] == ["tp 1, AC none, batch 4", "tp 2, AC none, batch 4"]
+    assert {row[0] for row in rows if not row[3]} >= {"tp 1, AC none, batch 4", "tp 2, AC none, batch 4"}
     assert all(float(row[1]) > 0.12 and "over the budget" in row[5] for row in rows if not row[3])
+    assert any("pp 2" in row[0] for row in predicted)
     speeds = [int(row[3].replace(",", "")) for row in predicted]
-    assert len(speeds) == 2 and speeds == sorted(speeds, reverse=True)
+    assert len(speeds) >= 3 and speeds == sorted(speeds, reverse=True)
     assert all(float(row[1]) <= 0.12 for row in predicted)
     best = predicted[0][0]
-    tp = best.split(",")[0].split()[1]
-    alone = preflight("--world-size", "2", "--ranks", "0", "--job.config_file", "debug_model.toml",
-                      "--parallelism.tensor_parallel_degree", tp, "--parallelism.data_parallel_shard_degree",
-                      str(2 // int(tp)), "--training.local_batch_size", "4", "--activation_checkpoint.mode",
-                      best.split("AC ")[1].split(",")[0])
-    line = next(line for line in alone.stdout.splitlines() if "tokens/s per GPU" in line)
-    assert line.split("predicted ")[1].split(" tokens/s")[0] == predicted[0][3]
+    tp, pp = int(best.split(",")[0].split()[1]), int(best.split("pp ")[1].split(",")[0]) if "pp " in best else 1
+    alone = preflight("--world-size", "2", "--job.config_file", "debug_model.toml",
+                      "--parallelism.tensor_parallel_degree", str(tp),
+                      "--parallelism.pipeline_parallel_degree", str(pp),
+                      "--parallelism.data_parallel_shard_degree", str(2 // tp // pp),
+                      "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+                      best.split("AC ")[1].split(",")[0], *(["--ranks", "0"] if pp == 1 else []))
+    # A pipeline layout goes as fast as its slower end: the rank of the first stage or of the last.
+    speeds = [int(line.split("predicted ")[1].split(" tokens/s")[0].replace(",", ""))
+              for line in alone.stdout.splitlines() if "tokens/s per GPU" in line]
+    assert f"{min(speeds):,}" == predicted[0][3]

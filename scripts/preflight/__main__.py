@@ -13,7 +13,7 @@ import sys
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
 from scripts.preflight.predict import Cluster, Step, assumptions, duration, load_cluster, predict
-from scripts.preflight.rank import RankReport, run_rank
+from scripts.preflight.rank import RankReport, default_ranks, run_ranks
 
 GIB = 2**30
 
@@ -22,12 +22,6 @@ def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return int(text)
-
-
-def default_ranks(dims: ParallelDims) -> list[int]:
-    """Rank 0 and the last rank: without pipeline stages every rank holds the same shapes, but the last is at the
-    far end of each mesh dimension."""
-    return sorted({0, dims.world_size - 1})
 
 
 def size(n: float) -> str:
@@ -47,10 +41,13 @@ def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
         lines.insert(1, f"  note: {report.note}")
     for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
         lines.append(f"    {dim:12s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
-    p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster)
+    p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster,
+                report.pipeline_bubble)
     waits = p.waits()
     lines.append(f"  predicted step {duration(p.step_s)}: compute {duration(p.compute_s)} beside "
-                 f"{duration(p.overlapped_s)} of overlapped collectives, then {duration(p.exposed_s)} waiting"
+                 f"{duration(p.overlapped_s)} of overlapped collectives, "
+                 + (f"a pipeline bubble of {duration(p.bubble_s)}, " if p.bubble_s else "")
+                 + f"then {duration(p.exposed_s)} waiting"
                  + (f" ({waits})" if waits else ""))
     lines.append(f"  predicted {p.tokens_per_gpu_s:,.0f} tokens/s per GPU, MFU {p.mfu:.1%}")
     return "\n".join(lines)
@@ -75,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
               f"{dims.describe()}, ranks {ranks}\nprediction's assumptions:\n"
               + "\n".join(f"  {line}" for line in assumptions(cluster, step)), flush=True)
-        for rank in ranks:
-            print(describe(run_rank(config, args.world_size, rank), step, cluster), flush=True)
+        for report in run_ranks(config, args.world_size, ranks):
+            print(describe(report, step, cluster), flush=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

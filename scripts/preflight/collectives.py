@@ -94,11 +94,11 @@ class CollectiveRecorder(TorchDispatchMode):
         self.calls: dict[tuple[str, str], Collective] = defaultdict(Collective)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, op = func.namespace, func._schema.name.split("::")[-1]
-        flat, _ = tree_flatten((args, kwargs or {}))
-        if any(isinstance(arg, DTensor) for arg in flat):
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
+        namespace, op = func.namespace, func._schema.name.split("::")[-1]
         if namespace in NAMESPACES and op not in SKIPPED:
+            flat, _ = tree_flatten((args, kwargs or {}))
             group = _group(flat)
             ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
             dim = self.names.get(ranks, f"group of {len(ranks)}") if ranks else "?"

@@ -8,10 +8,12 @@ link bandwidths and latencies). A first-order model, every assumption printed be
   (n-1)/n of its buffer, an all-reduce twice that, a send its tensor) over the link its group uses (NVLink within
   a node, the GPU's network port across nodes), plus a latency per call;
 - overlap: FSDP's and HSDP's collectives of 1 MiB or more a call (weights gathered ahead, gradients reduced
-  behind) and TP's under async TP run beside the compute; every other collective (TP's, CP's, EP's, the small
-  all-reduces of the loss and the gradient norm) waits: step = max(compute, overlapped) + exposed.
-Not modelled: pipeline bubbles, kernel launch gaps, memory-bound kernels beyond the achievable fraction,
-network congestion, data loading, stragglers."""
+  behind) and TP's of 1 MiB or more under async TP run beside the compute; every other collective (TP's, CP's,
+  EP's, the small all-reduces of the loss, the gradient norm and float8's scales, the pipeline's sends) waits;
+- the pipeline's bubble: (pp - 1) / (stages a rank x micro-batches) of the compute, interleaved 1F1B's (GPipe's
+  and 1F1B's with one stage a rank): step = max(compute, overlapped) + bubble + exposed.
+Not modelled: the smaller bubble of zero-bubble schedules, kernel launch gaps, memory-bound kernels beyond the
+achievable fraction, network congestion, data loading, stragglers."""
 
 from __future__ import annotations
 
@@ -109,6 +111,8 @@ class Step:
 class Prediction:
     compute_s: float
     overlapped_s: float
+    bubble_s: float
+    """The pipeline's idle time beside the compute."""
     exposed_s: float
     exposed_by_dim: dict[str, float]
     step_s: float
@@ -128,7 +132,7 @@ def duration(seconds: float) -> str:
 def collective_seconds(op: str, c: Collective, cluster: Cluster) -> float:
     """A collective's ring volume over its slowest link, plus its latency a call."""
     n = c.group_size
-    if n <= 1:
+    if n <= 1 or op.startswith("recv"):  # a receive is its sender's send, priced on the sending rank
         return 0.0
     across_nodes = len({rank // cluster.gpus_per_node for rank in c.ranks}) > 1
     gbps = cluster.inter_node_gbps if across_nodes else cluster.intra_node_gbps
@@ -145,16 +149,18 @@ def collective_seconds(op: str, c: Collective, cluster: Cluster) -> float:
 
 
 def overlapped(op: str, dim: str, c: Collective, step: Step) -> bool:
-    """FSDP's and HSDP's bulk collectives (expert parallelism's all-to-alls wait, whatever their group), and TP's
-    under async TP."""
+    """Bulk collectives (1 MiB or more a call) of FSDP and HSDP (expert parallelism's all-to-alls wait, whatever
+    their group), and of TP under async TP, which overlaps its gathers and reduce-scatters with the matmuls beside
+    them; small ones (a norm's, float8's scales) wait wherever they are."""
     fsdp = is_data_parallel(dim) and "all_to_all" not in op and "alltoall" not in op
-    return (fsdp and c.bytes >= BULK_BYTES * c.count) or (dim == "tp" and step.async_tp)
+    return (fsdp or (dim == "tp" and step.async_tp)) and c.bytes >= BULK_BYTES * c.count
 
 
 def predict(flops: float, float8_flops: float, model_flops: float, collectives: dict[tuple[str, str], Collective],
-            step: Step, cluster: Cluster) -> Prediction:
+            step: Step, cluster: Cluster, bubble: float = 0.0) -> Prediction:
     """One rank's step time from its counted FLOPs (`float8_flops` of them in float8 linear layers), its
-    collectives, and `model_flops` (its share of the model's formula, for MFU)."""
+    collectives, and `model_flops` (its share of the model's formula, for MFU); under pipeline parallelism, the
+    `bubble` its stages idle, a fraction of the compute."""
     fraction = cluster.compiled_fraction if step.compiled else cluster.eager_fraction
     peak = cluster.peak_tflops[step.matmul_dtype] * 1e12
     compute = (flops - float8_flops) / (peak * fraction)
@@ -167,8 +173,8 @@ def predict(flops: float, float8_flops: float, model_flops: float, collectives: 
             hidden += seconds
         else:
             exposed[dim] = exposed.get(dim, 0.0) + seconds
-    step_s = max(compute, hidden) + sum(exposed.values())
-    return Prediction(compute, hidden, sum(exposed.values()), exposed, step_s,
+    step_s = max(compute, hidden) + bubble * compute + sum(exposed.values())
+    return Prediction(compute, hidden, bubble * compute, sum(exposed.values()), exposed, step_s,
                       step.tokens / step.world_size / step_s, model_flops / step_s / peak)
 
 
@@ -184,8 +190,10 @@ def assumptions(cluster: Cluster, step: Step) -> list[str]:
         f"and {cluster.inter_node_gbps:,.0f} GB/s across nodes, {cluster.intra_node_latency_us:g} / "
         f"{cluster.inter_node_latency_us:g} us a call",
         "overlapped with compute: data-parallel collectives of 1 MiB or more a call (FSDP's gathers and "
-        "reduce-scatters, HSDP's all-reduces)" + (", TP's (async TP)" if step.async_tp else ""),
-        "the others wait: step = max(compute, overlapped) + the others",
-        "not modelled: pipeline bubbles, launch gaps, memory-bound kernels beyond the fraction above, congestion, "
-        "data loading",
+        "reduce-scatters, HSDP's all-reduces)" + (", TP's of 1 MiB or more (async TP)" if step.async_tp else ""),
+        "the others wait: step = max(compute, overlapped) + pipeline bubble + the others; a point-to-point send "
+        "of the pipeline waits (its receive is the sender's)",
+        "pipeline bubble: (pp - 1) / (stages a rank x micro-batches) of the compute, interleaved 1F1B's",
+        "not modelled: zero-bubble schedules' smaller bubble, launch gaps, memory-bound kernels beyond the fraction "
+        "above, congestion, data loading",
     ]

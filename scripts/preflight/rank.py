@@ -6,15 +6,17 @@ What differs from train.py, and why: the model is materialized as fake tensors (
 values change nothing here); mixture-of-experts layers route evenly, fake tensors having no values to route by
 (scripts/preflight/routing.py); compile is off for the step (compiling on fake tensors would measure the
 compiler, and compiled code sends and computes the same), and so is async TP (compiled CUDA code: the same
-collectives, overlapped, which the prediction assumes); no data is read (the step's token ids are random, of the
-batch's shape)."""
+collectives, overlapped, which the prediction assumes); pipeline stages are given their shapes rather than
+learning them from their neighbours (scripts/preflight/pipeline.py); no data is read (the step's token ids are
+random, of the batch's shape)."""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake process group: private, here only
@@ -38,9 +41,11 @@ from components.model_package import import_model_package
 from components.moe_layer import has_moe_layer
 from components.optim import Optimizers
 from parallelisms.context_parallel import shard_sequence
-from parallelisms.float8 import pays_in_float8, precompute_float8_scales
+from parallelisms.float8 import Float8ScalePrecompute, pays_in_float8
+from parallelisms.pipeline import family_split
 from scripts.memory_estimate.estimator import vocab_size
 from scripts.preflight.collectives import Collective, CollectiveRecorder
+from scripts.preflight.pipeline import first_stage, stage_maker
 from scripts.preflight.routing import balance_routing
 
 
@@ -62,6 +67,9 @@ class RankReport:
     model_flops: float = 0.0
     """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
     collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
+    pipeline_bubble: float = 0.0
+    """Of the compute, what this rank's pipeline idles beside it: (pp - 1) / (stages a rank x micro-batches),
+    interleaved 1F1B's bubble (zero-bubble schedules fill part of it: not modelled)."""
     seconds: float = 0.0
     note: str | None = None
     """What was assumed (a vocabulary where the tokenizer file is missing)."""
@@ -92,6 +100,25 @@ LOCAL_FLOPS = {op: _on_local_shards(formula) for op, formula in flop_registry.it
 """The formulas of the step's counter: torch's on each rank's local shards, CPU attention counted as GPU's."""
 
 
+class StepFlops(FlopCounterMode):
+    """torch's FLOP counter with LOCAL_FLOPS, every FLOP counted under "Global" only: its attribution to modules
+    hooks each module's backward, which torch refuses inside autograd.grad, as the zero-bubble pipeline schedules
+    take the input gradients (preflight uses the step's total)."""
+
+    class _NoModules:
+        parents = {"Global"}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return None
+
+    def __init__(self):
+        super().__init__(display=False, custom_mapping=LOCAL_FLOPS)
+        self.mod_tracker = self._NoModules()  # the attribute torch's counter (2.11 to 2.13) tracks modules with
+
+
 def float8_flops(model: torch.nn.Module, counts: dict[str, dict], config: Config) -> int:
     """Of the step's counted matmul FLOPs, those of the linear layers that compute in float8 on a GPU with float8
     matmuls (emulated here, every eligible layer converts; on such a GPU `float8.skip_small_layers` keeps those
@@ -116,11 +143,24 @@ def _bytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
+def default_ranks(dims: ParallelDims) -> list[int]:
+    """Rank 0 and the last rank: the ranks of the first and the last pipeline stage (rank 0 holds both under a V
+    schedule); without pipeline stages every rank holds the same shapes, but the last is at the far end of each
+    mesh dimension."""
+    return sorted({0, dims.world_size - 1})
+
+
+def run_ranks(config: Config, world_size: int, ranks: list[int]) -> Iterator[RankReport]:
+    """preflight_rank of each rank, in order, each in a process of its own (torch keeps process groups and meshes
+    in globals that one process cannot reset), as many at once as there are cores."""
+    workers = min(len(ranks), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        for report in [pool.submit(preflight_rank, config, world_size, rank) for rank in ranks]:
+            yield report.result()
+
+
 def run_rank(config: Config, world_size: int, rank: int) -> RankReport:
-    """preflight_rank in a process of its own: torch keeps process groups and meshes in globals that one process
-    cannot reset."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-        return process.submit(preflight_rank, config, world_size, rank).result()
+    return next(run_ranks(config, world_size, [rank]))
 
 
 def preflight_rank(config: Config, world_size: int, rank: int) -> RankReport:
@@ -155,17 +195,17 @@ def step_report(config: Config, fake: bool) -> RankReport:
     with torch.device("meta"):
         whole = package.Transformer(model_args)
     check_model_supported(config, dims, whole)
-    unavailable = {
-        # Document masks size tensors by the token values, which fake tensors do not have.
-        "training.document_masking": config.training.document_masking,
-        # torch's pipeline stages send each other their shapes at the first step: one rank alone receives none.
-        "pipeline parallelism": dims.pp > 1,
-    }
-    if names := [name for name, used in unavailable.items() if used]:
-        raise ConfigError(f"not available yet in preflight: {', '.join(names)}; python -m scripts.memory_estimate "
-                          "estimates their memory")
-    model_part = package.parallelize(whole, dims, mesh, config, device)
-    if fake and balance_routing(model_part, dims.ep_mesh.get_group() if dims.ep > 1 else None):
+    if config.training.document_masking:  # document masks size tensors by the token values fake tensors lack
+        raise ConfigError("not available yet in preflight: training.document_masking; python -m "
+                          "scripts.memory_estimate estimates its memory")
+    parts, stage_ids, num_stages = [whole], [0], 1
+    if dims.pp > 1:
+        parts, stage_ids, num_stages = family_split(package)(whole, mesh["pp"], config)
+    parts = [package.parallelize(part, dims, mesh, config, device) for part in parts]
+    first = first_stage(parts, stage_ids, whole, package, dims, mesh, config, device) if dims.pp > 1 else None
+    model_parts = nn.ModuleList(parts)
+    built = [*parts, *([first] if first is not None and first not in parts else [])]
+    if fake and balance_routing(nn.ModuleList(built), dims.ep_mesh.get_group() if dims.ep > 1 else None):
         report_note = "; ".join(filter(None, [report_note, "routing assumed balanced: each expert an equal share"]))
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
@@ -175,32 +215,43 @@ def step_report(config: Config, fake: bool) -> RankReport:
                                    *(moe_meshes if has_moe_layer(whole) else [])])
     share = partial(shard_sequence, cp_mesh=mesh["cp"]) if dims.cp > 1 else None  # as train.py shares a sequence
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext():
-        model_part.to_empty(device=device)
-        if not fake:
-            model_part.init_weights()
-        model_part.train()
-        model = train.model_on_rank([model_part], [0], 1, dims, mesh, config, device, plan.grad_accum_steps)
-        optimizers = Optimizers([model_part], config.optimizer)
+        for part in built:
+            part.to_empty(device=device)
+            if not fake:
+                part.init_weights()
+            part.train()
         shape = (config.training.local_batch_size, config.training.seq_len + 1)
         batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
                    for _ in iter(int, 1))
+        # A rank alone cannot learn its pipeline stages' shapes from its neighbours: they are given
+        # (scripts/preflight/pipeline.py), in the tests' real run over gloo too, which then steps as preflight does.
+        make_stage = None
+        if first is not None:
+            micro_batch = next(batches)[0][:config.parallelism.pipeline_parallel_microbatch_size].contiguous()
+            make_stage = stage_maker(first, micro_batch)
+        model = train.model_on_rank(parts, stage_ids, num_stages, dims, mesh, config, device, plan.grad_accum_steps,
+                                    make_stage)
+        optimizers = Optimizers(parts, config.optimizer)
         # A step after the first: with float8's scales precomputed after every optimizer step, as train.py's
         # loop does, the casts for FSDP's float8 all-gathers need no all-reduce of their own (the first step's do).
         precompute = config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp
+        scales = Float8ScalePrecompute(parts)
         if precompute:
-            precompute_float8_scales(model_part)
-        with recorder, FlopCounterMode(display=False, custom_mapping=LOCAL_FLOPS) as flops:
+            scales.after_step(0, None, log=False)
+        with recorder, StepFlops() as flops:
             train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
                              NoReplicas())
             optimizers.step()
             if precompute:
-                precompute_float8_scales(model_part)
+                scales.after_step(1, None, log=False)
         report.flops = flops.get_total_flops()
-        report.float8_flops = float8_flops(model_part, flops.get_flop_counts(), config)
-        params = list(model_part.parameters())
+        report.float8_flops = float8_flops(model_parts, flops.get_flop_counts(), config)
+        if model.pipeline is not None:
+            report.pipeline_bubble = (dims.pp - 1) / (len(parts) * model.pipeline.n_microbatches)
+        params = list(model_parts.parameters())
         report.params = sum(local(p).numel() for p in params)
         report.param_bytes = _bytes(params)
-        in_blocks = {id(p) for p in model_part.transformer_blocks().parameters()}
+        in_blocks = {id(p) for part in parts for p in part.transformer_blocks().parameters()}
         report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
         report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
                                      for opt in optimizers.optimizers for state in opt.state.values())
