@@ -8,6 +8,7 @@ A stage that returns something else than the first stage does is refused, naming
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -71,10 +72,12 @@ def stage_maker(first: nn.Module, micro_batch: torch.Tensor) -> Callable:
         if not last and _shape(outputs) != _shape(boundary):
             raise ConfigError(f"preflight: pipeline stage {stage_id} returns {_shape(outputs)} where the first stage "
                               f"returns {_shape(boundary)}; preflight gives every stage the first stage's output")
-        # With a DTensor among them (the last stage's logits under loss parallelism), torch's static mode wants the
-        # gradients' shapes too: the inputs' as the inputs, none for the outputs of the last stage (the loss's).
+        # With a DTensor among them (the last stage's logits under loss parallelism), torch 2.13's static mode wants
+        # the gradients' shapes too: the inputs' as the inputs, none for the outputs of the last stage (the loss's).
+        # Earlier torch takes neither.
         grads = {"input_grads": inputs if stage_id else None, "output_grads": None if last else outputs}
+        takes_grads = isinstance(outputs, DTensor) and "output_grads" in inspect.signature(PipelineStage).parameters
         return GivenShapesStage(part, stage_id, num_stages, device, input_args=inputs, output_args=outputs,
-                                group=group, **(grads if isinstance(outputs, DTensor) else {}))
+                                group=group, **(grads if takes_grads else {}))
 
     return make_stage
