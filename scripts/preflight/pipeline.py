@@ -1,6 +1,6 @@
 """Pipeline stages for a rank stepped alone. torch's stages learn what they receive and send (shapes, dtypes) at the
-first step from the ranks that hold their neighbours, and torch 2.13's first vote over the process group on whether
-every stage was given its shapes; a rank alone over the fake process group receives nothing. So preflight gives
+first step from the ranks that hold their neighbours (under torch 2.13, after a vote over the process group on
+whether every stage was given its shapes); a rank alone over the fake process group receives nothing. So preflight gives
 each stage its shapes (PipelineStage's input_args and output_args, torch's static mode), found by running stages on
 fake tensors: the first stage's output, which every later stage takes and every stage but the last returns, from
 the first stage itself (built here when this rank does not hold it); the last stage's output from the last stage.
