@@ -55,14 +55,16 @@ def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path
 @pytest.mark.parametrize("layout, tp, sends", [
     (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
      1, 3),
-    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 2, 2),
-], ids=["fsdp2_interleaved", "tp2_zero_bubble_v"])
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+      "--training.document_masking", "true"], 2, 2),
+], ids=["fsdp2_interleaved", "tp2_zero_bubble_v_documents"])
 def test_a_pipeline_rank_given_its_stages_shapes_records_the_collectives_of_a_real_step_over_gloo(
         tmp_path, layout, tp, sends):
     """Pipeline 2 x FSDP 2 (interleaved 1F1B) and pipeline 2 x TP 2 (the V-shaped zero-bubble schedule, the last
-    stage's logits a DTensor) at 4 processes, 4 micro-batches, two stages a rank: preflight gives each stage its
-    shapes (a rank alone cannot learn them from its neighbours), and the first and the last rank's collectives,
-    the pipeline's sends and receives among them, equal those of 4 real gloo processes stepped likewise."""
+    stage's logits a DTensor, document masking) at 4 processes, 4 micro-batches, two stages a rank: preflight gives
+    each stage its shapes (a rank alone cannot learn them from its neighbours), and the first and the last rank's
+    collectives, the pipeline's sends and receives among them, equal those of 4 real gloo processes stepped
+    likewise."""
     args = ["--job.config_file", "debug_model.toml", "--parallelism.pipeline_parallel_degree", "2", *layout,
             "--training.seq_len", "64", "--training.local_batch_size", "4"]
     on_ranks(_real_step, 4, 4, str(tmp_path / "store"), args)
@@ -149,11 +151,11 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
 @pytest.mark.parametrize("args, error", [
     (["--world-size", "6", "--parallelism.tensor_parallel_degree", "3"],
      "error: parallelism.tensor_parallel_degree 3 must divide model.n_heads (16)"),
-    (["--world-size", "2", "--training.document_masking", "true"],
-     "error: not available yet in preflight: training.document_masking; python -m scripts.memory_estimate estimates "
-     "its memory"),
+    (["--world-size", "2", "--parallelism.context_parallel_degree", "2", "--training.document_masking", "true"],
+     "error: not available yet in preflight: training.document_masking with context parallelism; python -m "
+     "scripts.memory_estimate estimates its memory"),
     (["--world-size", "2", "--ranks", "2"], "error: --ranks 2: [2] not in 0 to 1"),
-], ids=["tp_does_not_divide_heads", "document_masking", "rank_outside"])
+], ids=["tp_does_not_divide_heads", "document_masking_under_cp", "rank_outside"])
 def test_what_does_not_compose_or_is_not_covered_yet_is_one_line_and_exit_2(args, error):
     result = preflight(*args)
     assert result.returncode == 2, result.stderr[-3000:]

@@ -195,9 +195,9 @@ def step_report(config: Config, fake: bool) -> RankReport:
     with torch.device("meta"):
         whole = package.Transformer(model_args)
     check_model_supported(config, dims, whole)
-    if config.training.document_masking:  # document masks size tensors by the token values fake tensors lack
-        raise ConfigError("not available yet in preflight: training.document_masking; python -m "
-                          "scripts.memory_estimate estimates its memory")
+    if config.training.document_masking and dims.cp > 1:  # CP shares a sequence by where its documents end
+        raise ConfigError("not available yet in preflight: training.document_masking with context parallelism; "
+                          "python -m scripts.memory_estimate estimates its memory")
     parts, stage_ids, num_stages = [whole], [0], 1
     if dims.pp > 1:
         parts, stage_ids, num_stages = family_split(package)(whole, mesh["pp"], config)
@@ -221,7 +221,10 @@ def step_report(config: Config, fake: bool) -> RankReport:
                 part.init_weights()
             part.train()
         shape = (config.training.local_batch_size, config.training.seq_len + 1)
-        batches = (prepare_batch(torch.randint(0, vocab, shape), device, None, share)
+        # Under document masking any id may end a document: the token ids are random, and the masks' shapes are
+        # the sequence's whatever its documents.
+        eos_id = vocab - 1 if config.training.document_masking else None
+        batches = (prepare_batch(torch.randint(0, vocab, shape), device, eos_id, share)
                    for _ in iter(int, 1))
         # A rank alone cannot learn its pipeline stages' shapes from its neighbours: they are given
         # (scripts/preflight/pipeline.py), in the tests' real run over gloo too, which then steps as preflight does.
