@@ -189,7 +189,7 @@ def test_the_prediction_hides_fsdp_s_bulk_collectives_behind_compute_and_adds_wh
     """By hand, on an H100 node pair: 445 TFLOP/s of a compiled bf16 step (45% of 989); FSDP's gather of 1 GiB
     shards over 8 ranks of one node receives 7 GiB at 360 GB/s (80% of NVLink's 450) plus 10 us a call, hidden
     behind compute; TP's all-reduce of 1 GiB over 2 ranks on two nodes moves 1 GiB at 40 GB/s plus 25 us a call,
-    waited for (unless async TP)."""
+    waited for (unless async TP); a pipeline's bubble and sends add to the step."""
     h100 = CLUSTERS["h100"]
     gib = 2**30
     collectives = {("_allgather_base", "dp_shard"): Collective(2, 2 * gib, 8, tuple(range(8))),
@@ -208,6 +208,14 @@ def test_the_prediction_hides_fsdp_s_bulk_collectives_behind_compute_and_adds_wh
                        h100)
     assert async_tp.compute_s == pytest.approx(0.5 + one_second / 2 / (0.31 * 1979e12))
     assert async_tp.exposed_s == 0 and async_tp.step_s == pytest.approx(async_tp.compute_s)
+    # A pipeline of 4 with 2 stages a rank and 6 micro-batches idles (4 - 1) / (2 x 6) of the compute; its sends of
+    # 64 MiB to a rank on another node wait, and its receives are priced on the sender.
+    p2p = {("send", "pp"): Collective(12, 12 * 64 * 2**20, 4, (0, 8, 16, 24)),
+           ("recv", "pp"): Collective(12, 12 * 64 * 2**20, 4, (0, 8, 16, 24))}
+    piped = predict(one_second, 0, 3.56e14, p2p, step, h100, bubble=(4 - 1) / (2 * 6))
+    send = 12 * 64 * 2**20 / 40e9 + 12 * 25e-6
+    assert piped.bubble_s == pytest.approx(0.25) and piped.exposed_by_dim == {"pp": pytest.approx(send)}
+    assert piped.step_s == pytest.approx(1.0 + 0.25 + send)
 
 
 def test_a_cluster_file_changes_the_named_cluster_and_names_a_key_it_does_not_know(tmp_path):
