@@ -35,6 +35,7 @@ def _real_step(rank: int, world_size: int, store: str, config_args: list[str]) -
     try:
         report = step_report(load_config(config_args), fake=False)
         (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(collectives(report)))
+        (Path(store).parent / f"peak{rank}.json").write_text(json.dumps(report.peak_bytes))
     finally:
         dist.destroy_process_group()
 
@@ -42,14 +43,16 @@ def _real_step(rank: int, world_size: int, store: str, config_args: list[str]) -
 def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path):
     """FSDP 2 x TP 2 at 4 processes: each rank's collectives of one step (count, bytes put in, group size, by
     mesh dimension), recorded on 4 real gloo processes with real tensors, equal what preflight records for that
-    rank alone over the fake process group on fake tensors."""
+    rank alone over the fake process group on fake tensors; so does the most its step's tensors held at once."""
     args = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "2",
             "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
     on_ranks(_real_step, 4, 4, str(tmp_path / "store"), args)
     for rank in (0, 3):
         real = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert collectives(fake_step(args, 4, rank)) == real, rank
+        fake = fake_step(args, 4, rank)
+        assert collectives(fake) == real, rank
         assert {"_allgather_base over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
+        assert fake.peak_bytes == json.loads((tmp_path / f"peak{rank}.json").read_text())
 
 
 @pytest.mark.parametrize("layout, tp, sends", [
@@ -98,6 +101,24 @@ def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_
     # 4 MoE blocks, each sending this rank's slots (2 x 64 tokens x 2 choices, of 256 fp32 values) to the experts'
     # ranks and back, forward and backward: 16 all-to-alls, each putting in all of them.
     assert collectives(fake)[routed] == [16, 16 * (2 * 64 * 2) * 256 * 4, 2]
+
+
+@pytest.mark.parametrize("config_args, world_size, rel", [
+    (["--job.config_file", "debug_model.toml"], 2, 0.02),
+    (["--job.config_file", "llama3_8b.toml"], 8, 0.05),
+], ids=["debug_fsdp2", "llama3_8b_fsdp8"])
+def test_the_step_s_peak_memory_is_near_the_memory_estimate_s_tensors(config_args, world_size, rel):
+    """The peak of the fake step's tensors (preflight counts each storage from the operator that makes it until its
+    last tensor goes, FSDP's resized ones read again), plus the optimizer state a later step holds, against what
+    scripts.memory_estimate counts of tensors for the same rank (all but the process baseline and the allocator's
+    slack): the debug model's shipped config on 2 processes, and Llama 3.1 8B (bf16, selective AC, 8192 tokens) on 8
+    GPUs."""
+    from scripts.memory_estimate import estimate
+
+    config = load_config(config_args)
+    expected = estimate(config, world_size, "cuda")
+    tensors = expected.total - expected.parts["baseline"] - expected.parts["allocator"]
+    assert fake_step(config_args, world_size, 0).peak_bytes == pytest.approx(tensors, rel=rel)
 
 
 def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gpu():

@@ -33,6 +33,7 @@ def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
     lines = [f"rank {report.rank} ({where}), {report.seconds:.1f} s:",
              f"  parameters {report.params / 1e6:,.2f}M ({size(report.param_bytes)}), optimizer state "
              f"{size(report.optimizer_bytes)}; checkpoint share {size(report.param_bytes + report.optimizer_bytes)}",
+             f"  memory at the step's peak {size(report.peak_bytes)} (its tensors)",
              f"  FLOPs of one step {report.flops / 1e12:,.3f} T counted"
              + (f" ({report.float8_flops / 1e12:,.3f} T in float8 linear layers)" if report.float8_flops else "")
              + f"; the model's formula (MFU's) gives this rank {report.model_flops / 1e12:,.3f} T",

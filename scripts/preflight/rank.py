@@ -45,6 +45,7 @@ from parallelisms.float8 import Float8ScalePrecompute, pays_in_float8
 from parallelisms.pipeline import family_split
 from scripts.memory_estimate.estimator import vocab_size
 from scripts.preflight.collectives import Collective, CollectiveRecorder
+from scripts.preflight.memory import PeakMemory
 from scripts.preflight.pipeline import first_stage, stage_maker
 from scripts.preflight.routing import balance_routing
 
@@ -67,6 +68,9 @@ class RankReport:
     model_flops: float = 0.0
     """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
     collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
+    peak_bytes: int = 0
+    """The most the forward and backward's tensors held at once (scripts/preflight/memory.py), with the optimizer
+    state a later step holds throughout."""
     pipeline_bubble: float = 0.0
     """Of the compute, what this rank's pipeline idles beside it: (pp - 1) / (stages a rank x micro-batches),
     interleaved 1F1B's bubble (zero-bubble schedules fill part of it: not modelled)."""
@@ -241,10 +245,13 @@ def step_report(config: Config, fake: bool) -> RankReport:
         scales = Float8ScalePrecompute(parts)
         if precompute:
             scales.after_step(0, None, log=False)
-        with recorder, StepFlops() as flops:
-            train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
-                             NoReplicas())
-            optimizers.step()
+        # The counter above the memory's mode: it counts a DTensor operation's FLOPs on its local shards, then the
+        # memory's mode and the recorder see the local operations DTensor runs (and the collectives it issues).
+        with recorder:
+            with PeakMemory([*model_parts.parameters(), *model_parts.buffers()]) as memory, StepFlops() as flops:
+                train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
+                                 NoReplicas())
+            optimizers.step()  # no matmuls: nothing for the counter
             if precompute:
                 scales.after_step(1, None, log=False)
         report.flops = flops.get_total_flops()
@@ -258,6 +265,10 @@ def step_report(config: Config, fake: bool) -> RankReport:
         report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
         report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
                                      for opt in optimizers.optimizers for state in opt.state.values())
+        # A later step holds the optimizer state from its start; this one creates it in its optimizer step. The
+        # optimizer step itself is not followed: on DTensors its fused kernels have DTensor work out their output
+        # shapes on global-shaped fake tensors, which here are the step's own kind (on a GPU, no allocation).
+        report.peak_bytes = memory.peak + report.optimizer_bytes
     report.collectives = dict(recorder.calls)
     report.seconds = time.perf_counter() - start
     return report
