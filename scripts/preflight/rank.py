@@ -265,9 +265,8 @@ def step_report(config: Config, fake: bool) -> RankReport:
         report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
         report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
                                      for opt in optimizers.optimizers for state in opt.state.values())
-        # A later step holds the optimizer state from its start; this one creates it in its optimizer step. The
-        # optimizer step itself is not followed: on DTensors its fused kernels have DTensor work out their output
-        # shapes on global-shaped fake tensors, which here are the step's own kind (on a GPU, no allocation).
+        # A later step holds the optimizer state from its start; this one creates it in its optimizer step (whose
+        # own temporaries are not followed: below the forward and backward's peak but for the tiniest models).
         report.peak_bytes = memory.peak + report.optimizer_bytes
     report.collectives = dict(recorder.calls)
     report.seconds = time.perf_counter() - start
