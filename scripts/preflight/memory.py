@@ -1,6 +1,6 @@
 """The peak of the memory a rank's step allocates, from its fake tensors: every storage an operator creates counts
-from then until it is freed (its last tensor gone), at its size in bytes; with the parameters, buffers, gradients
-and optimizer state alive before the step as the start.
+from then until it is freed (its last tensor gone), at its size in bytes, from the tensors alive before the step
+(the caller's: parameters and buffers).
 
 FSDP gathers a unit's weights into storages it keeps and resizes (to the unit's size to gather, to 0 to free)
 outside any operator; a storage an operator writes in place is therefore read again for its size whenever the count
@@ -39,6 +39,8 @@ def _is_wrapper(kind: type) -> bool:
 
 
 class PeakMemory(TorchDispatchMode):
+    """While entered: `live`, the bytes of the storages alive, and `peak`, the most of them at once."""
+
     def __init__(self, alive: Iterable[torch.Tensor]):
         super().__init__()
         self.sizes: dict[int, int] = {}
@@ -48,7 +50,7 @@ class PeakMemory(TorchDispatchMode):
         self.live = 0
         for tensor in alive:
             self._count(tensor)
-        self.start = self.peak = self.live
+        self.peak = self.live
 
     def _count(self, tensor: torch.Tensor, written: bool = False) -> None:
         if _is_wrapper(type(tensor)):  # DTensor, torchao's float8 tensors: what they hold
