@@ -69,8 +69,8 @@ class RankReport:
     """This rank's share of the step's FLOPs by the model's own formula (flops_per_token, which MFU uses)."""
     collectives: dict[tuple[str, str], Collective] = field(default_factory=dict)
     peak_bytes: int = 0
-    """The most the forward and backward's tensors held at once (scripts/preflight/memory.py), with the optimizer
-    state a later step holds throughout."""
+    """The most the step's tensors held at once (scripts/preflight/memory.py), with the optimizer state a later
+    step holds throughout."""
     pipeline_bubble: float = 0.0
     """Of the compute, what this rank's pipeline idles beside it: (pp - 1) / (stages a rank x micro-batches),
     interleaved 1F1B's bubble (zero-bubble schedules fill part of it: not modelled)."""
@@ -247,13 +247,16 @@ def step_report(config: Config, fake: bool) -> RankReport:
             scales.after_step(0, None, log=False)
         # The counter above the memory's mode: it counts a DTensor operation's FLOPs on its local shards, then the
         # memory's mode and the recorder see the local operations DTensor runs (and the collectives it issues).
+        memory = PeakMemory([*model_parts.parameters(), *model_parts.buffers()])
         with recorder:
-            with PeakMemory([*model_parts.parameters(), *model_parts.buffers()]) as memory, StepFlops() as flops:
+            with memory, StepFlops() as flops:
                 train.train_step(model, batches, plan.grad_accum_steps, config.training.max_norm, optimizers,
                                  NoReplicas())
-            optimizers.step()  # no matmuls: nothing for the counter
-            if precompute:
-                scales.after_step(1, None, log=False)
+            backward_peak, memory.peak = memory.peak, memory.live
+            with memory:  # no matmuls: nothing for the counter
+                optimizers.step()
+                if precompute:
+                    scales.after_step(1, None, log=False)
         report.flops = flops.get_total_flops()
         report.float8_flops = float8_flops(model_parts, flops.get_flop_counts(), config)
         if model.pipeline is not None:
@@ -265,9 +268,8 @@ def step_report(config: Config, fake: bool) -> RankReport:
         report.root_param_bytes = _bytes(p for p in params if id(p) not in in_blocks)
         report.optimizer_bytes = sum(_bytes(t for t in state.values() if isinstance(t, torch.Tensor))
                                      for opt in optimizers.optimizers for state in opt.state.values())
-        # A later step holds the optimizer state from its start; this one creates it in its optimizer step (whose
-        # own temporaries are not followed: below the forward and backward's peak but for the tiniest models).
-        report.peak_bytes = memory.peak + report.optimizer_bytes
+        # A later step holds the optimizer state from its start; this one creates it in its optimizer step.
+        report.peak_bytes = max(backward_peak + report.optimizer_bytes, memory.peak)
     report.collectives = dict(recorder.calls)
     report.seconds = time.perf_counter() - start
     return report
