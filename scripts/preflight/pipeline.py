@@ -67,7 +67,7 @@ def stage_maker(first: nn.Module, micro_batch: torch.Tensor) -> Callable:
 
     def make_stage(part: nn.Module, stage_id: int, num_stages: int, device: torch.device, group) -> PipelineStage:
         inputs = micro_batch if stage_id == 0 else boundary
-        outputs = _run(part, inputs)
+        outputs = boundary if part is first else _run(part, inputs)  # the first stage ran once already
         last = stage_id == num_stages - 1
         if not last and _shape(outputs) != _shape(boundary):
             raise ConfigError(f"preflight: pipeline stage {stage_id} returns {_shape(outputs)} where the first stage "
