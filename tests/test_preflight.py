@@ -103,20 +103,22 @@ def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_
     assert collectives(fake)[routed] == [16, 16 * (2 * 64 * 2) * 256 * 4, 2]
 
 
-@pytest.mark.parametrize("config_args, world_size, rel", [
-    (["--job.config_file", "llama3_8b.toml"], 8, 0.05),
-], ids=["llama3_8b_fsdp8"])
-def test_the_step_s_peak_memory_is_near_the_memory_estimate_s_tensors(config_args, world_size, rel):
+@pytest.mark.parametrize("config_args, world_size", [
+    (["--job.config_file", "debug_model.toml"], 2),
+    (["--job.config_file", "llama3_8b.toml"], 8),
+], ids=["debug_fsdp2", "llama3_8b_fsdp8"])
+def test_the_step_s_peak_memory_is_within_5_percent_of_the_memory_estimate_s_tensors(config_args, world_size):
     """The peak of the fake step's tensors (preflight counts each storage from the operator that makes it until its
     last tensor goes, FSDP's resized ones read again), plus the optimizer state a later step holds, against what
     scripts.memory_estimate counts of tensors for the same rank (all but the process baseline and the allocator's
-    slack): Llama 3.1 8B (bf16, selective AC, 8192 tokens) on 8 GPUs."""
+    slack): the debug model's shipped config on 2 processes, and Llama 3.1 8B (bf16, selective AC, 8192 tokens) on 8
+    GPUs."""
     from scripts.memory_estimate import estimate
 
     config = load_config(config_args)
     expected = estimate(config, world_size, "cuda")
     tensors = expected.total - expected.parts["baseline"] - expected.parts["allocator"]
-    assert fake_step(config_args, world_size, 0).peak_bytes == pytest.approx(tensors, rel=rel)
+    assert fake_step(config_args, world_size, 0).peak_bytes == pytest.approx(tensors, rel=0.05)
 
 
 def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gpu():
