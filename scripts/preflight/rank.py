@@ -16,6 +16,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
@@ -28,8 +29,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's fake process group: private, here only
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import flop_registry
 
 from components.batch import batch_plan
 from components.config import Config, ConfigError
@@ -80,15 +82,14 @@ class RankReport:
 
 
 def _on_local_shards(formula) -> Callable:
-    """`formula` applied to what this rank computes: a DTensor operation's local shards. The counter sees a
-    DTensor's matmul once, with the DTensor's global shapes; DTensor then computes it on the local shards, which
-    the counter does not see."""
+    """`formula` (one of torch's registry: it takes the tensors and reads their shapes) applied to what this rank
+    computes: a DTensor operation's local shards. The counter sees a DTensor's matmul once, with the DTensor's
+    global shapes; DTensor then computes it on the local shards, which the counter does not see."""
 
     def count(*args, **kwargs) -> int:
         args, kwargs = tree_map_only(DTensor, DTensor.to_local, (args, kwargs))
         return formula(*args, **kwargs)
 
-    count._get_raw = True  # the counter passes the tensors; the formula takes their shapes itself
     return count
 
 
@@ -104,26 +105,31 @@ LOCAL_FLOPS = {op: _on_local_shards(formula) for op, formula in flop_registry.it
 """The formulas of the step's counter: torch's on each rank's local shards, CPU attention counted as GPU's."""
 
 
-class StepFlops(FlopCounterMode):
-    """torch's FLOP counter with LOCAL_FLOPS, every FLOP counted under "Global" only: its attribution to modules
-    hooks each module's backward, which torch refuses inside autograd.grad, as the zero-bubble pipeline schedules
-    take the input gradients (preflight uses the step's total)."""
+class StepFlops(TorchDispatchMode):
+    """The FLOPs of each operator called while entered, by LOCAL_FLOPS (torch's formulas), on the tensors it is
+    called with: above DTensor, an operation on DTensors once (on its local shards). torch's FlopCounterMode counts
+    alike but first offers every operator without a formula its decomposition, entering the mode again each time (a
+    sixth of a pipelined 405B rank's preflight), and attributes FLOPs to modules by backward hooks, which torch
+    refuses inside autograd.grad, as the zero-bubble pipeline schedules take the input gradients."""
 
-    class _NoModules:
-        parents = {"Global"}
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            return None
+    supports_higher_order_operators = True
 
     def __init__(self):
-        super().__init__(display=False, custom_mapping=LOCAL_FLOPS)
-        self.mod_tracker = self._NoModules()  # the attribute torch's counter (2.11 to 2.13) tracks modules with
+        super().__init__()
+        self.counts: dict[object, int] = defaultdict(int)
+        """FLOPs by operator (its overload packet, as LOCAL_FLOPS and torch's registry key them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return NotImplemented  # as torch's counter does, but for its `cond`
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (formula := LOCAL_FLOPS.get(func._overloadpacket)) is not None:
+            self.counts[func._overloadpacket] += formula(*args, **kwargs, out_val=out)
+        return out
 
 
-def float8_flops(model: torch.nn.Module, counts: dict[str, dict], config: Config) -> int:
+def float8_flops(model: torch.nn.Module, counts: dict[object, int], config: Config) -> int:
     """Of the step's counted matmul FLOPs, those of the linear layers that compute in float8 on a GPU with float8
     matmuls (emulated here, every eligible layer converts; on such a GPU `float8.skip_small_layers` keeps those
     too small to pay in bf16): the linear layers' share by their weights' sizes, as every linear layer of a dense
@@ -139,7 +145,7 @@ def float8_flops(model: torch.nn.Module, counts: dict[str, dict], config: Config
             m.out_features, m.in_features, config.float8.recipe_name))
 
     sizes = [(m.in_features * m.out_features, in_float8(m)) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    matmuls = sum(n for op, n in counts["Global"].items() if op in (aten.mm, aten.addmm))
+    matmuls = counts[aten.mm] + counts[aten.addmm]
     return round(matmuls * sum(size for size, f8 in sizes if f8) / sum(size for size, _ in sizes))
 
 
@@ -257,8 +263,8 @@ def step_report(config: Config, fake: bool) -> RankReport:
                 optimizers.step()
                 if precompute:
                     scales.after_step(1, None, log=False)
-        report.flops = flops.get_total_flops()
-        report.float8_flops = float8_flops(model_parts, flops.get_flop_counts(), config)
+        report.flops = sum(flops.counts.values())
+        report.float8_flops = float8_flops(model_parts, flops.counts, config)
         if model.pipeline is not None:
             report.pipeline_bubble = (dims.pp - 1) / (len(parts) * model.pipeline.n_microbatches)
         params = list(model_parts.parameters())
