@@ -40,8 +40,9 @@ def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
              "  collectives of one step, by mesh dimension:" if report.collectives else "  no collectives"]
     if report.note:
         lines.insert(1, f"  note: {report.note}")
+    width = max([12, *(len(dim) for _, dim in report.collectives)])
     for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
-        lines.append(f"    {dim:12s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
+        lines.append(f"    {dim:{width}s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
     p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster,
                 report.pipeline_bubble)
     waits = p.waits()
