@@ -10,13 +10,23 @@ import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
 
 def float8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def gathers_float8(recipe_name: str, tp_mesh: DeviceMesh, device: torch.device) -> bool:
+    """Whether tensor parallelism's all-gathers can move float8 rather than bf16 activations (torchao's float8 TP
+    plan): with tensorwise scales, over a process group whose backend for `device` all-gathers float8 (NCCL, and
+    torch's fake one under scripts/preflight, which stands for it), which gloo cannot."""
+    backends = dict(pair.split(":") for pair in dist.get_backend_config(tp_mesh.get_group()).split(","))
+    return recipe_name == "tensorwise" and backends.get(device.type) != "gloo"
 
 
 def pays_in_float8(out_features: int, in_features: int, recipe_name: str) -> bool:

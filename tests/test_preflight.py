@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import REPO, on_ranks
 
@@ -43,7 +44,9 @@ def _real_step(rank: int, world_size: int, store: str, config_args: list[str]) -
 def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path):
     """FSDP 2 x TP 2 at 4 processes: each rank's collectives of one step (count, bytes put in, group size, by
     mesh dimension), recorded on 4 real gloo processes with real tensors, equal what preflight records for that
-    rank alone over the fake process group on fake tensors; so does the most its step's tensors held at once."""
+    rank alone over the fake process group on fake tensors; so does the most its step's tensors held at once, or
+    a little more on gloo (1.7% more for rank 3 on a loaded machine), whose threads hold a collective's buffers
+    until it ends, where the fake process group ends each at once."""
     args = ["--job.config_file", "debug_model.toml", "--parallelism.data_parallel_shard_degree", "2",
             "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
     on_ranks(_real_step, 4, 4, str(tmp_path / "store"), args)
@@ -52,7 +55,8 @@ def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path
         fake = fake_step(args, 4, rank)
         assert collectives(fake) == real, rank
         assert {"_allgather_base over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
-        assert fake.peak_bytes == json.loads((tmp_path / f"peak{rank}.json").read_text())
+        real_peak = json.loads((tmp_path / f"peak{rank}.json").read_text())
+        assert fake.peak_bytes <= real_peak <= 1.03 * fake.peak_bytes
 
 
 @pytest.mark.parametrize("layout, tp, sends", [
@@ -119,6 +123,34 @@ def test_the_step_s_peak_memory_is_within_5_percent_of_the_memory_estimate_s_ten
     expected = estimate(config, world_size, "cuda")
     tensors = expected.total - expected.parts["baseline"] - expected.parts["allocator"]
     assert fake_step(config_args, world_size, 0).peak_bytes == pytest.approx(tensors, rel=0.05)
+
+
+def _gathers_float8(rank: int, store: str, result: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.float8 import gathers_float8
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=rank, world_size=1)
+    try:
+        tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))["tp"]
+        Path(result).write_text(json.dumps([gathers_float8(recipe, tp, torch.device("cpu"))
+                                            for recipe in ("tensorwise", "rowwise")]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_gathers_float8_activations_over_the_fake_group_as_over_nccl_and_not_over_gloo(tmp_path):
+    """float8 tensorwise under TP 2 (the debug model in fp32, every linear layer converted): the blocks' all-gathers
+    move float8 (a byte an element: the inputs of attention and the feed-forward in forward, their gradients in
+    backward), as torchao's float8 TP plan does over NCCL; the output layer's stay in fp32. Over gloo, which cannot
+    all-gather float8, train.py's TP gathers in high precision, as it does with rowwise scales anywhere."""
+    args = ["--job.config_file", "debug_model.toml", "--parallelism.tensor_parallel_degree", "2", "--float8.enable",
+            "true", "--float8.skip_small_layers", "false"]
+    gathers = fake_step(args, 2, 0).collectives[("all_gather_into_tensor", "tp")]
+    share = 8 * 128 * 256  # elements of a rank's share of the activations: local batch x half the sequence x dim
+    assert (gathers.count, gathers.bytes) == (2 * 6 * 2 + 2, 2 * 6 * 2 * share + 2 * 4 * share)
+    on_ranks(_gathers_float8, 1, str(tmp_path / "store"), str(tmp_path / "gloo.json"))
+    assert json.loads((tmp_path / "gloo.json").read_text()) == [False, False]
 
 
 def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gpu():

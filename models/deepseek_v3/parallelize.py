@@ -31,7 +31,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
 from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
-from parallelisms.float8 import convert_to_float8
+from parallelisms.float8 import convert_to_float8, gathers_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import ReplicateParallel, apply_tensor_parallel, enable_async_tensor_parallel
 
@@ -102,8 +102,7 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
         if model.args.n_heads % dims.tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "
                               f"({model.args.n_heads})")
-        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
-        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])

@@ -23,7 +23,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
 from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
-from parallelisms.float8 import convert_to_float8
+from parallelisms.float8 import convert_to_float8, gathers_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
@@ -86,8 +86,7 @@ def parallelize_gpt_oss(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
         for key, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads)):
             if value % dims.tp:
                 raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide {key} ({value})")
-        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
-        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         shard_sink_logits(model, mesh["tp"])
         if config.parallelism.enable_async_tensor_parallel:

@@ -25,7 +25,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
 from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
-from parallelisms.float8 import convert_to_float8
+from parallelisms.float8 import convert_to_float8, gathers_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
@@ -97,8 +97,7 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
                           skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         check_tp_fits(model, dims.tp)
-        # float8 communication needs tensorwise scales, and NCCL: gloo cannot all-gather float8.
-        float8_comm = config.float8.enable and config.float8.recipe_name == "tensorwise" and device.type == "cuda"
+        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # TP gave each module its own DTensor of the tied matrix, both sharded along the vocabulary

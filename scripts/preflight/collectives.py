@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -63,6 +62,11 @@ def _spans(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
     return spans
 
 
+def is_wrapper(kind: type) -> bool:
+    """A tensor subclass that holds other tensors (DTensor its local shard, torchao's float8 tensors theirs)."""
+    return hasattr(kind, "__tensor_flatten__")
+
+
 def _group(args) -> dist.ProcessGroup | None:
     for arg in args:
         if isinstance(arg, dist.ProcessGroup):
@@ -84,9 +88,12 @@ class CollectiveRecorder(TorchDispatchMode):
     """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
     of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out.
 
-    An operator on DTensors is handed back to DTensor (NotImplemented) rather than called here: torch sets a mode
-    aside while it runs the mode's own handler, so the collectives DTensor issues inside the operator (an implicit
-    redistribution, such as a norm's Partial sum made Replicate) would pass unseen; handed back, they come here."""
+    An operator on a tensor subclass that holds other tensors is handed back to it (NotImplemented) rather than
+    called here: torch sets a mode aside while it runs the mode's own handler, so the collectives the subclass
+    issues inside the operator would pass unseen (DTensor's implicit redistributions, such as a norm's Partial sum
+    made Replicate), or be counted at the subclass's size (torchao's float8 tensors, which gather their float8
+    data: a float8 all-gather counted at bf16's bytes); handed back, what it runs on the tensors it holds comes
+    here."""
 
     def __init__(self, meshes: list[DeviceMesh]):
         super().__init__()
@@ -94,7 +101,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self.calls: dict[tuple[str, str], Collective] = defaultdict(Collective)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if any(map(is_wrapper, types)):
             return NotImplemented
         namespace, op = func.namespace, func._schema.name.split("::")[-1]
         if namespace in NAMESPACES and op not in SKIPPED:

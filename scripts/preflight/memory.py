@@ -18,6 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from scripts.preflight.collectives import is_wrapper
+
 SHARDING_PROPAGATION = os.path.join("distributed", "tensor", "_sharding_prop.py")
 
 
@@ -31,11 +33,6 @@ def _in_sharding_propagation() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _is_wrapper(kind: type) -> bool:
-    """A tensor subclass that holds other tensors (DTensor its local shard, torchao's float8 tensors theirs)."""
-    return hasattr(kind, "__tensor_flatten__")
 
 
 class PeakMemory(TorchDispatchMode):
@@ -53,7 +50,7 @@ class PeakMemory(TorchDispatchMode):
         self.peak = self.live
 
     def _count(self, tensor: torch.Tensor, written: bool = False) -> None:
-        if _is_wrapper(type(tensor)):  # DTensor, torchao's float8 tensors: what they hold
+        if is_wrapper(type(tensor)):  # DTensor, torchao's float8 tensors: what they hold
             inner = [tensor.to_local()] if isinstance(tensor, DTensor) else vars(tensor).values()
             for held in inner:
                 if isinstance(held, torch.Tensor):
@@ -86,7 +83,7 @@ class PeakMemory(TorchDispatchMode):
                 self.sizes[key] = size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(map(_is_wrapper, types)):
+        if any(map(is_wrapper, types)):
             return NotImplemented  # the subclass runs it on the tensors it holds, which come here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
