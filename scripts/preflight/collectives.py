@@ -88,12 +88,11 @@ class CollectiveRecorder(TorchDispatchMode):
     """Counts each collective by (operation, mesh dimension), with the bytes of the tensors it sends: the input
     of a gather, a reduction or a send. Waits, barriers and autograd wrappers move no data and are left out.
 
-    An operator on a tensor subclass that holds other tensors is handed back to it (NotImplemented) rather than
-    called here: torch sets a mode aside while it runs the mode's own handler, so the collectives the subclass
-    issues inside the operator would pass unseen (DTensor's implicit redistributions, such as a norm's Partial sum
-    made Replicate), or be counted at the subclass's size (torchao's float8 tensors, which gather their float8
-    data: a float8 all-gather counted at bf16's bytes); handed back, what it runs on the tensors it holds comes
-    here."""
+    An operator on a tensor subclass that holds other tensors (DTensor, torchao's float8 tensors) is handed back to
+    it (NotImplemented) rather than called here: torch sets a mode aside while it runs the mode's own handler, so
+    the collectives the subclass issues inside the operator would pass unseen (DTensor's implicit redistributions,
+    such as a norm's Partial sum made Replicate); handed back, what it runs on the tensors it holds comes here, and
+    is counted at their dtype (a float8 tensor's float8 data, not the high-precision dtype it shows)."""
 
     def __init__(self, meshes: list[DeviceMesh]):
         super().__init__()
