@@ -24,9 +24,11 @@ def float8_supported(device: torch.device) -> bool:
 def gathers_float8(recipe_name: str, tp_mesh: DeviceMesh, device: torch.device) -> bool:
     """Whether tensor parallelism's all-gathers can move float8 rather than bf16 activations (torchao's float8 TP
     plan): with tensorwise scales, over a process group whose backend for `device` all-gathers float8 (NCCL, and
-    torch's fake one under scripts/preflight, which stands for it), which gloo cannot."""
-    backends = dict(pair.split(":") for pair in dist.get_backend_config(tp_mesh.get_group()).split(","))
-    return recipe_name == "tensorwise" and backends.get(device.type) != "gloo"
+    torch's fake one under scripts/preflight, which stands for it), which gloo cannot. (ProcessGroup._get_backend,
+    private, asks the group itself for the device's backend; the public get_backend_config reads a registry of the
+    configs that groups were made with.)"""
+    backend = tp_mesh.get_group()._get_backend(device)
+    return recipe_name == "tensorwise" and not isinstance(backend, dist.ProcessGroupGloo)
 
 
 def pays_in_float8(out_features: int, in_features: int, recipe_name: str) -> bool:
