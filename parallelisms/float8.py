@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.config import Float8
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,14 +23,15 @@ def float8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def gathers_float8(recipe_name: str, tp_mesh: DeviceMesh, device: torch.device) -> bool:
-    """Whether tensor parallelism's all-gathers can move float8 rather than bf16 activations (torchao's float8 TP
-    plan): with tensorwise scales, over a process group whose backend for `device` all-gathers float8 (NCCL, and
+def gathers_float8(float8: Float8, tp_mesh: DeviceMesh, device: torch.device) -> bool:
+    """Whether tensor parallelism's all-gathers move float8 rather than bf16 activations (torchao's float8 TP plan):
+    with float8 on, tensorwise scales, over a process group whose backend for `device` all-gathers float8 (NCCL, and
     torch's fake one under scripts/preflight, which stands for it), which gloo cannot. (ProcessGroup._get_backend,
     private, asks the group itself for the device's backend; the public get_backend_config reads a registry of the
     configs that groups were made with.)"""
-    backend = tp_mesh.get_group()._get_backend(device)
-    return recipe_name == "tensorwise" and not isinstance(backend, dist.ProcessGroupGloo)
+    if not (float8.enable and float8.recipe_name == "tensorwise"):
+        return False
+    return not isinstance(tp_mesh.get_group()._get_backend(device), dist.ProcessGroupGloo)
 
 
 def pays_in_float8(out_features: int, in_features: int, recipe_name: str) -> bool:

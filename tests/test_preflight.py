@@ -128,13 +128,14 @@ def test_the_step_s_peak_memory_is_within_5_percent_of_the_memory_estimate_s_ten
 def _gathers_float8(rank: int, store: str, result: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from components.config import Float8
     from parallelisms.float8 import gathers_float8
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=rank, world_size=1)
     try:
         tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))["tp"]
-        Path(result).write_text(json.dumps([gathers_float8(recipe, tp, torch.device("cpu"))
-                                            for recipe in ("tensorwise", "rowwise")]))
+        float8 = [Float8(enable=True, recipe_name=recipe) for recipe in ("tensorwise", "rowwise")]
+        Path(result).write_text(json.dumps([gathers_float8(f8, tp, torch.device("cpu")) for f8 in float8]))
     finally:
         dist.destroy_process_group()
 

@@ -102,7 +102,7 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
         if model.args.n_heads % dims.tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "
                               f"({model.args.n_heads})")
-        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
+        float8_comm = gathers_float8(config.float8, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])

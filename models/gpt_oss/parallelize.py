@@ -86,7 +86,7 @@ def parallelize_gpt_oss(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
         for key, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads)):
             if value % dims.tp:
                 raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide {key} ({value})")
-        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
+        float8_comm = gathers_float8(config.float8, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         shard_sink_logits(model, mesh["tp"])
         if config.parallelism.enable_async_tensor_parallel:

@@ -86,7 +86,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
                           skip_small_layers=config.float8.skip_small_layers)
     if dims.tp > 1:
         check_tp_fits(model, dims.tp)
-        float8_comm = config.float8.enable and gathers_float8(config.float8.recipe_name, mesh["tp"], device)
+        float8_comm = gathers_float8(config.float8, mesh["tp"], device)
         apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
         if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # TP gave each module its own DTensor of the tied matrix, both sharded along the vocabulary
