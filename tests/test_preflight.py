@@ -154,6 +154,16 @@ def test_tensor_parallel_gathers_float8_activations_over_the_fake_group_as_over_
     assert json.loads((tmp_path / "gloo.json").read_text()) == [False, False]
 
 
+def test_deepseek_v3_steps_under_float8_tensor_parallelism_its_latent_projections_fed_in_high_precision():
+    """Multi-head latent attention under float8 TP (tensorwise, every eligible layer converted), as on GPUs: the
+    attention's input is gathered in high precision for the latent projections kept out of float8 (gathered in
+    float8 it reached them as a float8 tensor, and their matmul failed), the heads' layers casting their own."""
+    args = ["--job.config_file", "debug_deepseek_v3.toml", "--parallelism.tensor_parallel_degree", "2",
+            "--float8.enable", "true", "--float8.skip_small_layers", "false"]
+    report = fake_step(args, 2, 0)
+    assert report.flops > 0 and report.collectives
+
+
 def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gpu():
     """The debug model's linear layers, all converted when emulated here: on a GPU, skip_small_layers keeps every one
     of them in bf16 (too small for float8 to pay), so none of the step's FLOPs are float8's; without it, the blocks'

@@ -70,7 +70,9 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
                    f"{attention}.wq_b": Colwise()} if model.args.q_lora_rank else {f"{attention}.wq": Colwise()}
         plan |= {
             f"{prefix}.attention_norm": SequenceParallel(),
-            attention: PrepareInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            # Gathered in high precision even under float8 TP: the input feeds the latent projections, which stay
+            # out of float8 (KEPT_IN_HIGH_PRECISION); the heads' Colwise layers cast what reaches them.
+            attention: PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             **queries,
             f"{attention}.wkv_a": ReplicateParallel(),
             f"{attention}.kv_norm": ReplicateParallel(),
