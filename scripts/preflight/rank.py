@@ -162,9 +162,13 @@ def default_ranks(dims: ParallelDims) -> list[int]:
 
 def run_ranks(config: Config, world_size: int, ranks: list[int]) -> Iterator[RankReport]:
     """preflight_rank of each rank, in order, each in a process of its own (torch keeps process groups and meshes
-    in globals that one process cannot reset), as many at once as there are cores."""
+    in globals that one process cannot reset), as many at once as there are cores. The processes are forked from a
+    server that imported torch and the trainer once: a fresh interpreter a rank would spend 2 to 3 s of CPU
+    importing them again (autotune --predict runs a preflight per candidate layout)."""
     workers = min(len(ranks), os.cpu_count() or 1)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+    forked = multiprocessing.get_context("forkserver")
+    forked.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch._dynamo", "train"])
+    with ProcessPoolExecutor(workers, mp_context=forked, max_tasks_per_child=1) as pool:
         for report in [pool.submit(preflight_rank, config, world_size, rank) for rank in ranks]:
             yield report.result()
 
