@@ -34,13 +34,14 @@ What the runner changes, and why:
 - `python -m pytest` only collects the suite (`--collect-only -q`): running it would run this test again.
 - Tools that train many runs, each in a folder of its own, run fewer and shorter ones, their documented
   runs taking minutes (TOOL_CUTS): the benchmark its baseline case only, for 3 steps; autotune 4 candidates
-  (batch 4 or 8, AC none or full, no compile) of 2 steps; coord_check 2 steps; the CP attention benchmark
-  512 tokens at degrees 1 and 2. In the clone, the sweep files (train_configs/sweeps/) keep the first value
-  of each grid key and their first [[runs]], of 1 step each (tests/test_sweep.py runs the rest of what a
-  sweep does); the ladder files (train_configs/ladders/) keep their first 2 rungs and the held-out ones (a fit
-  needs 2 runs), their first token budget, a 32nd of each, with 2 warm-up steps and no bootstrap (losses this
-  close to the initial ones give the resamples nothing to fit); both validate on 2 batches. Each cut changes
-  how many runs a tool makes and how long, never what a run finds in its folder.
+  (batch 4 or 8, AC none or full, no compile) of 2 steps, but as typed with `--predict` (it trains nothing);
+  coord_check 2 steps; the CP attention benchmark 512 tokens at degrees 1 and 2. In the clone, the sweep files
+  (train_configs/sweeps/) keep the first value of each grid key and their first [[runs]], of 1 step each
+  (tests/test_sweep.py runs the rest of what a sweep does); the ladder files (train_configs/ladders/) keep
+  their first 2 rungs and the held-out ones (a fit needs 2 runs), their first token budget, a 32nd of each,
+  with 2 warm-up steps and no bootstrap (losses this close to the initial ones give the resamples nothing to
+  fit); both validate on 2 batches. Each cut changes how many runs a tool makes and how long, never what a
+  run finds in its folder.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ VALIDATION_STEPS = 2
 INSTALL = re.compile(r"(python3? -m venv|\. \.venv/bin/activate|pip install)\b")
 TOOL_CUTS = {
     "scripts.benchmark": "--steps 3 --warmup 1 --cases 'debug default'",
+    "scripts.autotune --predict": "",  # trains nothing: runs as typed
     "scripts.autotune": "--steps 2 --batch-sizes 4,8 --ac-modes none,full --compile off",
     "scripts.coord_check": "--steps 2",
     "scripts.benchmark.cp_attention_memory": "--seq 512 --degrees 1 2",
