@@ -42,17 +42,17 @@ def lighthouse():
 
 
 def start_group(group: int, nproc: int, dump: Path, lighthouse: str, log: Path, steps: int,
-                pause: Path | None = None, layout: tuple[str, ...] = ()) -> subprocess.Popen:
+                pause: Path | None = None, layout: tuple[str, ...] = (), held_from: int = 1) -> subprocess.Popen:
     """One group's ./run_train.sh, laid out inside by `layout`; with `pause`, the same launcher running train.py
-    with a short sleep in every step and a wait while the file `pause` exists (tests/fault_injection.py): the test
-    holds it back meanwhile."""
+    with a short sleep in every step from its `held_from`-th and a wait there while the file `pause` exists
+    (tests/fault_injection.py): the test holds it back meanwhile."""
     env = dict(os.environ, NGPU=str(nproc), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     args = [*TINY, *FT, "--fault_tolerance.replica_id", str(group), "--fault_tolerance.lighthouse", lighthouse,
             "--training.steps", str(steps), "--job.dump_folder", str(dump), *layout]
     command = ["./run_train.sh", *args]
     if pause:
-        env |= {"INGOT_FAULT": "slow-steps:1", "INGOT_PAUSE": str(pause)}
+        env |= {"INGOT_FAULT": f"slow-steps:{held_from}", "INGOT_PAUSE": str(pause)}
         command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", str(nproc),
                    "tests/fault_injection.py", *args]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -254,18 +254,23 @@ def test_a_diloco_group_killed_mid_interval_rejoins_at_the_next_synchronisation(
     """Group 1 joins group 0 at its first synchronisation, is SIGKILLed in the next interval, and relaunched joins
     again at a later synchronisation, taking group 0's state (no checkpoint read); group 0 trains every step,
     synchronising alone while group 1 is away, and both end with the same weights. Group 0 is held back while group 1
-    starts and while it starts again (tests/fault_injection.py), so that it cannot finish first on a busy machine."""
+    starts and while it starts again (tests/fault_injection.py), so that it cannot finish first on a busy machine;
+    group 1 is held in its second step after joining (step 6), so that it is killed there and never in step 8's
+    synchronisation (which group 0 would then not commit)."""
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1_relaunched.log"]
     dump, steps, pause, address = tmp_path / "ft", 24, tmp_path / "hold_group0", lighthouse(min_replicas=1)
+    hold_victim = tmp_path / "hold_group1"
 
     pause.touch()
+    hold_victim.touch()
     started = [survivor := start_group(0, 1, dump, address, logs[0], steps, pause, DILOCO)]
     try:
         wait_for(logs, lambda: "training steps 1 to" in logs[0].read_text(), survivor)
-        started.append(victim := start_group(1, 1, dump, address, logs[1], steps, layout=DILOCO))
+        started.append(victim := start_group(1, 1, dump, address, logs[1], steps, hold_victim, DILOCO, held_from=2))
         wait_for(logs, lambda: "replica group 1 of 2" in logs[1].read_text(), victim)
         pause.unlink()
-        wait_for(logs, lambda: max(step_lines(logs[1]), default=0) >= 6, victim)  # joined, into its 2nd interval
+        wait_for(logs, lambda: step_lines(logs[1]), victim)
+        assert step_lines(logs[1]) == [5], logs[1].read_text()[-3000:]  # joined at step 4, trained 5, held in 6
         kill_tree(victim.pid)
         victim.wait()
         wait_for(logs, lambda: max(step_lines(logs[0]), default=0) >= 13, survivor)
