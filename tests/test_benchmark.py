@@ -138,7 +138,7 @@ def test_torchtitan_settings_follow_the_resolved_config(tmp_path):
     flags = {case.name: list(case.flags) for case in PRESETS["cpu"].cases}
     mapped = settings(load_config(flags["debug AC op"]), tmp_path / "tok", tmp_path / "dump")
     assert (mapped["dim"], mapped["n_layers"], mapped["n_heads"], mapped["n_kv_heads"]) == (256, 6, 16, 4)
-    assert (mapped["vocab_size"], mapped["seq_len"], mapped["local_batch_size"]) == (4096, 256, 8)
+    assert (mapped["vocab_size"], mapped["seq_len"], mapped["local_batch_size"]) == (4096, 256, 4)
     assert (mapped["ac"], mapped["compile"], mapped["float8"]) == ("op", False, None)
     assert mapped["data_files"][0].endswith("tests/assets/shakespeare/train.jsonl")
     assert settings(load_config(flags["debug AC selective 2"]), tmp_path, tmp_path).startswith("no counterpart")

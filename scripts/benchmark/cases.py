@@ -65,7 +65,7 @@ def long_context_cases(model: str, flags: tuple[str, ...], seq_len: int) -> list
     return cases
 
 
-DEBUG = ("--job.config_file", "debug_model.toml")  # fp32, seq 256 x batch 8, the shipped 4k tokenizer
+DEBUG = ("--job.config_file", "debug_model.toml")  # fp32, seq 256 x batch 4, the shipped 4k tokenizer
 # Llama 3 1B and 8B on the shipped corpus, with GPT-2's BPE ranks standing in for Llama 3's tokenizer
 # (a 50,512-token vocabulary instead of 128,256: the output layer is smaller than the real model's),
 # in bf16 at Llama 3 8B's learning rate (the debug model's 2e-3 risks a diverging bf16 run).
@@ -98,7 +98,7 @@ PRESETS = {
         steps=5, warmup=2,
     ),
     "cpu": Preset(
-        tuple(model_cases("debug", DEBUG, ALL_TECHNIQUES, longer_seq=(1024, 2))),
+        tuple(model_cases("debug", DEBUG, ALL_TECHNIQUES, longer_seq=(1024, 1))),
         steps=12, warmup=3,
     ),
     "h100": Preset(
