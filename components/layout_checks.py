@@ -13,6 +13,7 @@ from components.distributed import ParallelDims
 from components.fault_tolerance import check_replica_config
 from components.model_contract import check_model_contract, multi_token_depths
 from components.moe_layer import has_moe_layer
+from components.undeclared_mixing import undeclared_mixing
 
 
 def check_supported(config: Config, dims: ParallelDims, device: torch.device) -> None:
@@ -38,11 +39,13 @@ def check_supported(config: Config, dims: ParallelDims, device: torch.device) ->
             "boundaries)"
         )
     if config.parallelism.enable_async_tensor_parallel and (
-        dims.tp == 1 or not config.compile.enable or device.type != "cuda"
+        dims.tp == 1 or not config.compile.enable or device.type != "cuda" or not config.parallelism.sequence_parallel
     ):
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree > 1, "
-            f"compile.enable = true and CUDA (here: tp {dims.tp}, compile {config.compile.enable}, {device.type})"
+            "parallelism.sequence_parallel, compile.enable = true and CUDA (here: tp "
+            f"{dims.tp}, sequence_parallel {config.parallelism.sequence_parallel}, compile {config.compile.enable}, "
+            f"{device.type})"
         )
     if config.checkpoint.create_seed_checkpoint and dims.world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint runs on one process (NGPU=1)")
@@ -62,6 +65,21 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
         raise ConfigError(f"not available yet: moe.aux_loss_coef {config.moe.aux_loss_coef} with tensor or context "
                           f"parallelism (each rank would measure the balance of its part of every sequence); balance "
                           f"with moe.bias_update_speed instead")
+    splits = [what for what, splits in (
+        (f"parallelism.tensor_parallel_degree {dims.tp} with sequence parallelism",
+         dims.tp > 1 and config.parallelism.sequence_parallel),
+        (f"parallelism.context_parallel_degree {dims.cp}", dims.cp > 1)) if splits]
+    if splits:
+        mixing = undeclared_mixing(model)
+        if mixing is not None:
+            ways_out = ["declare it (docs/models.md#other-ways-to-mix-tokens)"]
+            if dims.tp > 1 and config.parallelism.sequence_parallel:
+                ways_out.append("set --parallelism.sequence_parallel false")
+            if dims.cp > 1:
+                ways_out.append("choose a layout without context parallelism")
+            raise ConfigError(f"model.name {config.model.name}: {mixing} mixes positions outside the attention, "
+                              f"convolutions and recurrent layers it declares, and {' and '.join(splits)} splits the "
+                              f"sequence, so each rank would mix only its own share: {', '.join(ways_out)}")
     depths = multi_token_depths(model)
     if depths and (dims.pp > 1 or dims.cp > 1):
         # A pipeline's stages would need the embedding and the output layer on the last stage too; a context-parallel

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from components.moe_layer import has_moe_layer
+from parallelisms.sequence_mixers import has_token_mixers
 
 
 def compile_blocks(blocks: nn.ModuleDict, eager_attention: bool = False) -> None:
@@ -15,6 +16,8 @@ def compile_blocks(blocks: nn.ModuleDict, eager_attention: bool = False) -> None
     expert gets is data, which the expert computation and its all-to-all take as Python sizes, so
     that part runs eagerly between the compiled graphs of the rest. MoE layers are found by their interface
     (components/moe_layer.py), whatever module defines them. Nor can a block whose attention runs eagerly
-    (`eager_attention`, which context parallelism's `attention_runs_eagerly` tells: ring's point-to-point sends)."""
+    (`eager_attention`, which context parallelism's `attention_runs_eagerly` tells: ring's point-to-point sends),
+    nor one with a convolution or recurrent layer (parallelisms/sequence_mixers.py: under context parallelism with
+    documents, their shares' order is read on the host)."""
     for block in blocks.values():
-        block.compile(fullgraph=not (has_moe_layer(block) or eager_attention))
+        block.compile(fullgraph=not (has_moe_layer(block) or eager_attention or has_token_mixers(block)))

@@ -1,6 +1,7 @@
 """Context parallelism: the ranks of the `cp` mesh dimension split every sample's sequence, and
-attention, the one layer that mixes positions, sees all of it by one of three methods
-(parallelism.context_parallel_method; docs/parallelisms.md says when to pick which).
+attention sees all of it by one of three methods (parallelism.context_parallel_method; docs/parallelisms.md says
+when to pick which). The other ways a model declares it mixes tokens, causal convolutions and recurrent layers,
+see whole sequences by an all-to-all whatever the method (parallelisms/sequence_mixers.py).
 
 Zigzag sharding. Under a causal mask a query attends to the keys before it, so a contiguous split
 would leave the first rank almost idle and the last one with most of the work. The sequence is
@@ -37,7 +38,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -64,21 +64,11 @@ from parallelisms.context_parallel_documents import (
     take,
 )
 from parallelisms.ring_attention import ring_attention
+from parallelisms.sequence_mixers import carry_over_context
+from parallelisms.sequence_shares import heads_for_sequence, rank_order, sequence_for_heads, zigzag_positions
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
-
-
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
-    """The sequence positions rank `cp_rank` owns: chunks cp_rank and 2*cp_size-1-cp_rank of
-    2*cp_size equal chunks, in that order."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"training.seq_len {seq_len} must be divisible by 2 x parallelism.context_parallel_degree "
-            f"= {2 * cp_size} (context parallelism cuts each sequence into that many equal chunks)"
-        )
-    chunks = torch.arange(seq_len).view(2 * cp_size, -1)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
 
 
 def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1,
@@ -216,29 +206,6 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: t
     return torch.cat(outputs, dim=2)
 
 
-def rank_order(seq_len: int, cp_size: int) -> torch.LongTensor:
-    """The sequence positions of the ranks' zigzag shares concatenated in rank order."""
-    return torch.cat([zigzag_positions(seq_len, cp_size, rank) for rank in range(cp_size)])
-
-
-def _heads_for_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
-    """All-to-all: (batch, heads, local_seq, d), this rank's share of the sequence, becomes (batch, heads / cp,
-    cp * local_seq, d), cp-th of the heads for every rank's share (in rank order). (DTensor's Shard -> Shard
-    falls back to an all-gather on gloo; this is an all-to-all everywhere.)"""
-    cp = cp_mesh.size()
-    send = x.unflatten(1, (cp, -1)).movedim(1, 0).contiguous()  # (cp: the rank the heads go to, batch, ...)
-    received = all_to_all_single_autograd(send.flatten(0, 1), None, None, cp_mesh.get_group())
-    return received.view_as(send).movedim(0, 2).flatten(2, 3)  # (batch, heads / cp, cp: from rank, local_seq, d)
-
-
-def _sequence_for_heads(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
-    """The all-to-all back: (batch, heads / cp, cp * local_seq, d) to (batch, heads, local_seq, d)."""
-    cp = cp_mesh.size()
-    send = x.unflatten(2, (cp, -1)).movedim(2, 0).contiguous()  # (cp: the rank the sequence share goes to, ...)
-    received = all_to_all_single_autograd(send.flatten(0, 1), None, None, cp_mesh.get_group())
-    return received.view_as(send).movedim(0, 1).flatten(1, 2)  # (batch, cp: from rank, heads / cp, ...)
-
-
 def check_heads_divide(n_heads: int, cp_size: int) -> None:
     if n_heads % cp_size:
         raise ConfigError(
@@ -260,7 +227,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     check_heads_divide(q.shape[1], cp_size)
     if k.shape[1] % cp_size:  # grouped-query attention with fewer key/value heads than ranks
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    q, k, v = (_heads_for_sequence(t, cp_mesh) for t in (q, k, v))  # in rank order
+    q, k, v = (heads_for_sequence(t, cp_mesh) for t in (q, k, v))  # in rank order
     if mask is None:
         q, k, v = (zigzag_to_sequence_order(t, cp_size) for t in (q, k, v))
         out = attend(q, k, v, None, spec).index_select(2, rank_order(q.shape[2], cp_size).to(q.device))
@@ -268,7 +235,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
         shares = mask.shares.flatten(1)
         q, k, v = (take(t, shares.argsort(dim=1), dim=2) for t in (q, k, v))
         out = take(attend(q, k, v, mask.plan, spec), shares, dim=2)
-    return _sequence_for_heads(out, cp_mesh)
+    return sequence_for_heads(out, cp_mesh)
 
 
 def attention_runs_eagerly(method: str, document_masking: bool) -> bool:
@@ -336,6 +303,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
         }[method],
         attention,
     )
+    carry_over_context(model, cp_mesh)  # the convolutions and recurrent layers it declares besides attention
     return model
 
 

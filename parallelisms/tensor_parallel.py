@@ -3,28 +3,77 @@
 Linear layers are split across the `tp` ranks (column-wise: each rank computes some output
 features; row-wise: each rank holds some input features and the partial results are reduced).
 Between the split regions, activations stay sharded along the sequence (sequence parallelism), so
-norms and residuals also cost 1/tp of the memory. The model's own parallelize.py says which layer
-gets which style; the functions here apply such a plan."""
+norms and residuals also cost 1/tp of the memory; `parallelism.sequence_parallel false` keeps them
+whole. The model's own parallelize.py says which layer gets which style; the functions here apply
+such a plan."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from parallelisms.sequence_mixers import sequence_parallel_mixers
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
-    """Apply a `{submodule name: ParallelStyle}` plan to `module` over the tp mesh.
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict, sequence_parallel: bool = True
+                          ) -> nn.Module:
+    """Apply a `{submodule name: ParallelStyle}` plan to `module` over the tp mesh: the family's plan, with sequence
+    parallelism, or without it (`without_sequence_parallel`). With it, the convolutions and recurrent layers the
+    model declares and the plan does not place see whole sequences (parallelisms/sequence_mixers.py).
 
     Every module of the plan then hands on plain tensors rather than the AsyncCollectiveTensor that
     DTensor's asynchronous redistribution leaves (see `_WaitCollective`)."""
+    if not sequence_parallel:
+        plan = without_sequence_parallel(plan)
     parallelize_module(module, tp_mesh, plan)
+    if sequence_parallel:
+        sequence_parallel_mixers(module, tp_mesh, plan)
     for name in plan:
         module.get_submodule(name).register_forward_hook(_wait_collective_output)
     return module
+
+
+SEQUENCE = Shard(1)
+"""What sequence parallelism shards between the tensor-parallel regions: the sequence of (batch, seq, dim)."""
+
+
+def without_sequence_parallel(plan: dict) -> dict:
+    """A family's plan (written with sequence parallelism) with whole sequences between the tensor-parallel regions
+    instead (TorchTitan's and Megatron's switch): the row-wise layers all-reduce their output rather than
+    reduce-scatter it along the sequence, the column-wise ones take it whole, and the norms, which sequence
+    parallelism splits along the sequence, are computed whole by every rank (plain weights with the same gradient
+    on each). A module the plan keeps on a slice of the sequence (a mixture-of-experts layer routes its own tokens)
+    is handed its slice and its output gathered. Every block then sees whole sequences, and so does any way it
+    mixes tokens."""
+    whole = {}
+    for name, style in plan.items():
+        if isinstance(style, SequenceParallel) and style.sequence_sharding == (SEQUENCE,):
+            continue
+        if isinstance(style, PrepareModuleInput) and SEQUENCE in (style.desired_input_layouts or ()):
+            whole[name] = PrepareModuleInputOutput(
+                input_layouts=tuple(Replicate() if layout == SEQUENCE else layout for layout in style.input_layouts),
+                desired_input_layouts=style.desired_input_layouts, use_local_input=True,
+                output_layouts=(SEQUENCE,), desired_output_layouts=(Replicate(),), use_local_output=True)
+            continue
+        style = copy.copy(style)
+        for attribute in ("input_layouts", "output_layouts"):
+            layouts = getattr(style, attribute, None)
+            if layouts:
+                setattr(style, attribute, tuple(Replicate() if layout == SEQUENCE else layout for layout in layouts))
+        whole[name] = style
+    return whole
 
 
 class _WaitCollective(torch.autograd.Function):

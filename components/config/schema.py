@@ -185,6 +185,10 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """-1 = whatever the world size leaves after the other degrees."""
     tensor_parallel_degree: int = 1
+    sequence_parallel: bool = True
+    """Under tensor parallelism, keep the activations between the split layers sharded along the sequence (the
+    norms too: 1/tp of their memory); false keeps them whole on every tp rank, so that each block sees whole
+    sequences, whatever it computes (docs/parallelisms.md)."""
     pipeline_parallel_degree: int = 1
     context_parallel_degree: int = 1
     context_parallel_method: str = "allgather"

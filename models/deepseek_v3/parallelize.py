@@ -105,7 +105,8 @@ def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMe
             raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "
                               f"({model.args.n_heads})")
         float8_comm = gathers_float8(config.float8, mesh["tp"], device)
-        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm),
+                              config.parallelism.sequence_parallel)
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])
     if dims.ep > 1:

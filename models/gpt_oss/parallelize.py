@@ -87,7 +87,8 @@ def parallelize_gpt_oss(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
             if value % dims.tp:
                 raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide {key} ({value})")
         float8_comm = gathers_float8(config.float8, mesh["tp"], device)
-        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm),
+                              config.parallelism.sequence_parallel)
         shard_sink_logits(model, mesh["tp"])
         if config.parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])

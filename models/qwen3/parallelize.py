@@ -98,7 +98,8 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, co
     if dims.tp > 1:
         check_tp_fits(model, dims.tp)
         float8_comm = gathers_float8(config.float8, mesh["tp"], device)
-        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm))
+        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm),
+                              config.parallelism.sequence_parallel)
         if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # TP gave each module its own DTensor of the tied matrix, both sharded along the vocabulary
             # (dim 0): share one again.
