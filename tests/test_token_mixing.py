@@ -237,13 +237,19 @@ def fork_runs(fork, tmp_path_factory):
              for mixer in ("conv", "recurrence") for name, (nproc, args) in LAYOUTS.items()}
     runs |= {f"inline_shift_{name}": (nproc, [*FORK_RUN, *args, "--model.token_mixer", "inline_shift"])
              for name, (nproc, args) in LAYOUTS.items() if name in ("tp2", "tp2_no_sequence_parallel", "cp2_alltoall")}
+    moe = ["--job.config_file", "debug_moe.toml", *TINY[2:], "--training.steps", str(STEPS),
+           "--training.global_batch_size", "8"]
+    runs |= {"moe_one_process": (1, [*moe, *layout()[1]]),
+             "moe_tp2_no_sequence_parallel": (2, [*moe, *LAYOUTS["tp2_no_sequence_parallel"][1]])}
     return torchrun_runs(runs, tmp_path_factory.mktemp("mixer_runs"), forks=fork)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", [f"{mixer}_{name}" for mixer in ("conv", "recurrence") for name in LAYOUTS]
-                         + ["conv_compiled", "inline_shift_tp2_no_sequence_parallel"])
+                         + ["conv_compiled", "inline_shift_tp2_no_sequence_parallel", "moe_tp2_no_sequence_parallel"])
 def test_a_fork_that_declares_its_mixing_trains_under_each_layout_as_on_one_process(fork_runs, run):
+    """(And without sequence parallelism, an undeclared shift, and a mixture-of-experts model, whose layers then
+    route their slice of the sequence and gather their output.)"""
     dump, problem = fork_runs[run]
     assert not problem, problem
     reference, _ = fork_runs[run.split("_")[0] + ("_shift" if run.startswith("inline") else "") + "_one_process"]
