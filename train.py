@@ -41,7 +41,7 @@ from components.hf_export import check_hf_form, export
 from components.in_loop import SourceTokens, loss_figures
 from components.launch import report_failure, run_worker
 from components.layer_metrics import LayerMetrics
-from components.layout_checks import check_model_supported, check_supported
+from components.layout_checks import check_model_supported, check_supported, check_token_mixing
 from components.loss import MultiTokenLoss, ZLoss, cross_entropy_loss
 from components.metrics import MetricsLogger, peak_memory_gib, slow_step_warning
 from components.model_contract import multi_token_depths
@@ -102,6 +102,7 @@ def train(config: Config, signals: StopSignals) -> int:
     with torch.device("meta"):
         whole_model = model_package.Transformer(model_args)
     check_model_supported(config, dims, whole_model)
+    on_rank0_for_all(check_token_mixing, config, dims, whole_model)  # one block of each kind, run on the CPU
     n_params = sum(p.numel() for p in whole_model.parameters())
     matmul_dtype = "float8" if config.float8.enable else training.mixed_precision_param
 

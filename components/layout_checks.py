@@ -65,6 +65,19 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
         raise ConfigError(f"not available yet: moe.aux_loss_coef {config.moe.aux_loss_coef} with tensor or context "
                           f"parallelism (each rank would measure the balance of its part of every sequence); balance "
                           f"with moe.bias_update_speed instead")
+    depths = multi_token_depths(model)
+    if depths and (dims.pp > 1 or dims.cp > 1):
+        # A pipeline's stages would need the embedding and the output layer on the last stage too; a context-parallel
+        # rank would need the tokens of the next rank's share, whose embeddings the extra depths read.
+        raise ConfigError(f"not available yet: multi-token prediction ({depths} extra depths: model.num_mtp_layers) "
+                          f"with pipeline or context parallelism; set model.num_mtp_layers 0 for such a layout")
+
+
+def check_token_mixing(config: Config, dims: ParallelDims, model: nn.Module) -> None:
+    """Under a layout that splits the sequence (sequence or context parallelism), refuse a model (built on the meta
+    device) one of whose blocks mixes positions in a way it does not declare (components/undeclared_mixing.py).
+    It materializes one block of each kind on the CPU: call it on one rank (components.distributed.on_rank0_for_all).
+    """
     splits = [what for what, splits in (
         (f"parallelism.tensor_parallel_degree {dims.tp} with sequence parallelism",
          dims.tp > 1 and config.parallelism.sequence_parallel),
@@ -80,12 +93,6 @@ def check_model_supported(config: Config, dims: ParallelDims, model: nn.Module) 
             raise ConfigError(f"model.name {config.model.name}: {mixing} mixes positions outside the attention, "
                               f"convolutions and recurrent layers it declares, and {' and '.join(splits)} splits the "
                               f"sequence, so each rank would mix only its own share: {', '.join(ways_out)}")
-    depths = multi_token_depths(model)
-    if depths and (dims.pp > 1 or dims.cp > 1):
-        # A pipeline's stages would need the embedding and the output layer on the last stage too; a context-parallel
-        # rank would need the tokens of the next rank's share, whose embeddings the extra depths read.
-        raise ConfigError(f"not available yet: multi-token prediction ({depths} extra depths: model.num_mtp_layers) "
-                          f"with pipeline or context parallelism; set model.num_mtp_layers 0 for such a layout")
 
 
 def uses_fsdp(config: Config, dims: ParallelDims) -> bool:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
-from components.layout_checks import check_model_supported
+from components.layout_checks import check_token_mixing
 from components.token_mixing import causal_conv, gated_linear_recurrence
 from components.undeclared_mixing import undeclared_mixing
 from models import deepseek_v3, gpt_oss, llama3, qwen3
@@ -135,10 +135,10 @@ def test_an_undeclared_shift_is_refused_by_each_layout_that_splits_the_sequence_
         model = package.Transformer(package.build_model_args(config, 97))
     dims = ParallelDims.from_config(config.parallelism, 2)
     if refused is None:
-        check_model_supported(config, dims, model)
+        check_token_mixing(config, dims, model)
         return
     with pytest.raises(ConfigError) as error:
-        check_model_supported(config, dims, model)
+        check_token_mixing(config, dims, model)
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("model.name mixers: layers.0 mixes positions outside the attention, convolutions and "
@@ -226,17 +226,23 @@ LAYOUTS = {
     "cp2_ring": layout(cp=2, extra=["--parallelism.context_parallel_method", "ring"]),
     "cp2_alltoall": layout(cp=2, extra=["--parallelism.context_parallel_method", "alltoall"]),
 }
+TRAINED = {  # what each fork trains under; every context-parallel method of each mixer runs in gloo above
+    "conv": ("fsdp2", "pp2", "tp2", "tp2_no_sequence_parallel", "cp2_allgather"),
+    "recurrence": ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_ring", "cp2_alltoall"),
+    "inline_shift": ("fsdp2", "pp2", "tp2_no_sequence_parallel"),
+}
+REFUSED = ("inline_shift_tp2", "inline_shift_cp2_alltoall")
 
 
 @pytest.fixture(scope="module")
 def fork_runs(fork, tmp_path_factory):
-    runs = {f"{mixer}_one_process": (1, [*FORK_RUN, *layout()[1], "--model.token_mixer", mixer])
-            for mixer in ("conv", "recurrence", "inline_shift")}
-    runs["conv_compiled"] = (1, [*FORK_RUN, *layout()[1], "--model.token_mixer", "conv", "--compile.enable", "true"])
-    runs |= {f"{mixer}_{name}": (nproc, [*FORK_RUN, *args, "--model.token_mixer", mixer])
-             for mixer in ("conv", "recurrence") for name, (nproc, args) in LAYOUTS.items()}
-    runs |= {f"inline_shift_{name}": (nproc, [*FORK_RUN, *args, "--model.token_mixer", "inline_shift"])
-             for name, (nproc, args) in LAYOUTS.items() if name in ("tp2", "tp2_no_sequence_parallel", "cp2_alltoall")}
+    runs = {f"{mixer}_one_process": (1, [*FORK_RUN, *layout()[1], "--model.token_mixer", mixer]) for mixer in TRAINED}
+    runs["recurrence_cp2_compiled"] = (2, [*FORK_RUN, *LAYOUTS["cp2_allgather"][1], "--model.token_mixer",
+                                           "recurrence", "--compile.enable", "true"])
+    for run in [f"{mixer}_{name}" for mixer, names in TRAINED.items() for name in names] + list(REFUSED):
+        mixer = next(m for m in TRAINED if run.startswith(f"{m}_"))
+        nproc, args = LAYOUTS[run.removeprefix(f"{mixer}_")]
+        runs[run] = (nproc, [*FORK_RUN, *args, "--model.token_mixer", mixer])
     moe = ["--job.config_file", "debug_moe.toml", *TINY[2:], "--training.steps", str(STEPS),
            "--training.global_batch_size", "8"]
     runs |= {"moe_one_process": (1, [*moe, *layout()[1]]),
@@ -245,22 +251,23 @@ def fork_runs(fork, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [f"{mixer}_{name}" for mixer in ("conv", "recurrence") for name in LAYOUTS]
-                         + ["conv_compiled", "inline_shift_tp2_no_sequence_parallel", "moe_tp2_no_sequence_parallel"])
-def test_a_fork_that_declares_its_mixing_trains_under_each_layout_as_on_one_process(fork_runs, run):
-    """(And without sequence parallelism, an undeclared shift, and a mixture-of-experts model, whose layers then
-    route their slice of the sequence and gather their output.)"""
+@pytest.mark.parametrize("run", [f"{mixer}_{name}" for mixer, names in TRAINED.items() for name in names]
+                         + ["recurrence_cp2_compiled", "moe_tp2_no_sequence_parallel"])
+def test_a_fork_trains_under_each_layout_that_carries_its_mixing_as_on_one_process(fork_runs, run):
+    """(Declared mixers under every layout; an undeclared shift under the layouts that hand blocks whole sequences;
+    a mixture-of-experts model without sequence parallelism, whose layers then route their slice of the sequence
+    and gather their output.)"""
     dump, problem = fork_runs[run]
     assert not problem, problem
-    reference, _ = fork_runs[run.split("_")[0] + ("_shift" if run.startswith("inline") else "") + "_one_process"]
-    got, expected = losses(dump), losses(reference)
+    mixer = next(m for m in (*TRAINED, "moe") if run.startswith(f"{m}_"))
+    got, expected = losses(dump), losses(fork_runs[f"{mixer}_one_process"][0])
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5), (run, step, got[step], loss)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["inline_shift_tp2", "inline_shift_cp2_alltoall"])
+@pytest.mark.parametrize("run", REFUSED)
 def test_train_py_refuses_an_undeclared_shift_under_sequence_splitting_layouts_with_exit_2_and_one_line(
         fork_runs, run):
     dump, problem = fork_runs[run]

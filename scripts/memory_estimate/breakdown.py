@@ -226,9 +226,13 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     # full-sequence inputs that non-checkpointed blocks save for their column-parallel matmuls.
     ac_mode, ac_option = config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
     activations = 0
+    split = tp if config.parallelism.sequence_parallel else 1
+    if tp > 1 and split == 1:
+        remarks.append("parallelism.sequence_parallel false: the activations are counted whole on every tp rank, an "
+                       "upper bound (those inside the split layers are 1/tp)")
     for stage in stages:
-        saved = stage.simulation.saved / tp
-        if tp > 1:
+        saved = stage.simulation.saved / split
+        if split > 1:
             if ac_mode == "none":
                 plain = stage.blocks
             elif ac_mode == "selective" and ac_option.isdigit():
