@@ -110,9 +110,8 @@ def train(config: Config, signals: StopSignals) -> int:
     record = run_record(config, plan.global_batch, world_size, dims.describe())
     if not config.checkpoint.create_seed_checkpoint:
         on_rank0_for_all(check_resume, config, dump_folder, get_model_state_dict(whole_model), record)
-    step_flops = model_args.flops_per_token(training.seq_len) * plan.tokens_per_step
-    slow = slow_step_warning(step_flops / world_size, device, config.metrics.peak_flops, matmul_dtype)
-    if slow and rank == 0:
+    rank_flops = model_args.flops_per_token(training.seq_len) * plan.tokens_per_step / world_size  # of one step
+    if (slow := slow_step_warning(rank_flops, device, config.metrics.peak_flops, matmul_dtype)) and rank == 0:
         logger.warning(slow)
 
     # --- Split into pipeline stages, parallelize, then initialize -----------------------------
