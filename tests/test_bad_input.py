@@ -91,13 +91,13 @@ def test_degrees_that_do_not_fit_the_world_size(degrees, world_size, message):
 
 
 def test_tensor_parallel_degree_that_does_not_divide_the_heads():
+    from models.decoder_parallelize import tp_divides_heads
     from models.llama3 import ModelArgs, Transformer
-    from models.llama3.parallelize import check_tp_fits
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=96, n_layers=1, n_heads=6, vocab_size=32))
     with pytest.raises(ConfigError) as error:
-        check_tp_fits(model, 4)
+        tp_divides_heads(model, 4)
     assert str(error.value) == "parallelism.tensor_parallel_degree 4 must divide model.n_heads (6)"
 
 

@@ -91,14 +91,14 @@ documents: the packed corpus with attention and RoPE positions kept within each 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
     from components.config import ConfigError
+    from models.decoder_parallelize import tp_divides_heads
     from models.llama3 import ModelArgs, Transformer
-    from models.llama3.parallelize import check_tp_fits
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=32))
-    check_tp_fits(model, 2)
+    tp_divides_heads(model, 2)
     with pytest.raises(ConfigError, match=r"parallelism.tensor_parallel_degree 4 must divide model.n_kv_heads \(2\)"):
-        check_tp_fits(model, 4)
+        tp_divides_heads(model, 4)
 
 
 RECOMPUTED_ATTENTION = """

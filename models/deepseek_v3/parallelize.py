@@ -1,4 +1,4 @@
-"""How DeepSeek-V3 is parallelized, in Llama 3's order (models/llama3/parallelize.py explains it):
+"""How DeepSeek-V3 is parallelized, in every family's order (models/decoder_parallelize.py):
 float8 conversion -> tensor parallel (then expert parallel) -> context parallel -> activation
 checkpointing -> compile -> FSDP (the MoE layers' own units first).
 
@@ -23,17 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from components.config import DTYPES, Config, ConfigError
+from components.config import Config
 from components.distributed import ParallelDims
-from components.layout_checks import uses_fsdp
 from components.moe_layer import is_moe_layer
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.compile import compile_blocks
-from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
-from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
-from parallelisms.float8 import convert_to_float8, gathers_float8
-from parallelisms.fsdp import apply_fsdp
-from parallelisms.tensor_parallel import ReplicateParallel, apply_tensor_parallel, enable_async_tensor_parallel
+from models.decoder_parallelize import parallelize_decoder
+from parallelisms.expert_parallel import moe_tensor_parallel_plan
+from parallelisms.tensor_parallel import ReplicateParallel
 
 KEPT_IN_HIGH_PRECISION = ["router.gate", "attention.wq_a", "attention.wkv_a"]
 """Out of float8: the routers (their logits choose the experts) and the latent projections (see above)."""
@@ -95,48 +90,5 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
 
 def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config,
                             device: torch.device) -> nn.Module:
-    fsdp = uses_fsdp(config, dims)
-    if config.float8.enable:
-        convert_to_float8(model, config.float8.recipe_name, [*config.float8.filter_fqns, *KEPT_IN_HIGH_PRECISION],
-                          device, config.float8.enable_fsdp_float8_all_gather and fsdp,
-                          skip_small_layers=config.float8.skip_small_layers)
-    if dims.tp > 1:
-        if model.args.n_heads % dims.tp:
-            raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp} must divide model.n_heads "
-                              f"({model.args.n_heads})")
-        float8_comm = gathers_float8(config.float8, mesh["tp"], device)
-        apply_tensor_parallel(model, mesh["tp"], tensor_parallel_plan(model, float8_comm),
-                              config.parallelism.sequence_parallel)
-        if config.parallelism.enable_async_tensor_parallel:
-            enable_async_tensor_parallel(mesh["tp"])
-    if dims.ep > 1:
-        apply_expert_parallel(model, dims.ep_mesh)
-    if dims.cp > 1:
-        apply_context_parallel(model, mesh["cp"], config.training.seq_len, config.parallelism.context_parallel_method,
-                               heads_per_rank=model.args.n_heads // dims.tp,
-                               document_masking=config.training.document_masking)
-    method = config.parallelism.context_parallel_method
-    for blocks in (model.layers, model.mtp):  # the multi-token prediction depths as blocks
-        apply_activation_checkpointing(blocks, config.activation_checkpoint.mode,
-                                       config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
-                                       ring_attention=dims.cp > 1 and method == "ring")
-        if config.compile.enable:
-            compile_blocks(blocks, eager_attention=dims.cp > 1 and attention_runs_eagerly(
-                method, config.training.document_masking))
-    param_dtype = DTYPES[config.training.mixed_precision_param]
-    reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
-    # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.
-    shard_moe(model, dims, fsdp, param_dtype, reduce_dtype, config.parallelism.fsdp_reshard_after_forward,
-              config.parallelism.fsdp_cpu_offload)
-    if fsdp:
-        apply_fsdp(
-            model,
-            dims.fsdp_mesh,
-            units=[*model.layers.values(), *model.mtp.values()],
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
-            pipeline_parallel=dims.pp > 1,
-            cpu_offload=config.parallelism.fsdp_cpu_offload,
-        )
-    return model
+    return parallelize_decoder(model, dims, mesh, config, device, tensor_parallel_plan=tensor_parallel_plan,
+                               high_precision=KEPT_IN_HIGH_PRECISION, block_groups=[model.layers, model.mtp])
