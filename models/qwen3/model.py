@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
-from components.data.documents import document_positions
 from models.activations import activation
+from models.decoder_inputs import rope_and_masks
 from models.moe import MoE, MoEArgs
 
 
@@ -214,17 +214,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        positions = None if self.local_positions is None else self.local_positions(document_ids)
-        rope = self.rope if positions is None else self.rope[positions]
-        masks = {}
-        if document_ids is not None:  # of the whole sequence, also under context parallelism
-            # Built once here for each mask the blocks declare, shared by the blocks that declare it.
-            declared = {block.attention.attention_mask for block in self.layers.values()}
-            masks = {spec: self.document_mask(document_ids, spec) for spec in declared}
-            if self.args.rope_per_document:
-                within = document_positions(document_ids)
-                within = within if positions is None else within.gather(1, positions)
-                rope = self.rope[within]  # (batch, seq, head_dim // 2, 2)
+        rope, masks = rope_and_masks(self, self.rope, document_ids)
         for block in self.layers.values():
             h = block(h, rope, mask=masks.get(block.attention.attention_mask))
         h = self.norm(h) if self.norm is not None else h

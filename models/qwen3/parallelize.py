@@ -3,8 +3,9 @@ float8 conversion -> tensor parallel (then expert parallel) -> context parallel 
 checkpointing -> compile -> FSDP (the MoE layers' own units first).
 
 What differs from Llama 3: the QK-norms are in the tensor-parallel plan, so that their gradients are
-summed over the tensor-parallel ranks, which hold different heads; an MoE feed-forward is not split by tensor parallelism but takes its rank's sequence
-shard whole (parallelisms/expert_parallel.py); the routers stay out of float8.
+summed over the tensor-parallel ranks, which hold different heads; an MoE feed-forward is not split by
+tensor parallelism but takes its rank's sequence shard whole (parallelisms/expert_parallel.py); the
+routers stay out of float8.
 """
 
 from __future__ import annotations
