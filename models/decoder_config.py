@@ -5,9 +5,10 @@ extending it. Each set key replaces the flavor's value (handy for ablations)."""
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from components.config import COUNT, POSITIVE, Model, Range
+from components.config import COUNT, POSITIVE, Config, Model, Range
 
 
 @dataclass
@@ -32,3 +33,25 @@ class DecoderConfig(Model):
         "n_layers": COUNT, "dim": COUNT, "n_heads": COUNT, "n_kv_heads": COUNT, "ffn_dim": COUNT, "norm_eps": POSITIVE,
         "rope_theta": POSITIVE, "vocab_size": COUNT,
     }
+
+
+def flavor_args(config: Config, flavors: dict, overridable: Sequence[str], vocab_size: int):
+    """What every family's build_model_args starts from: the flavor `model.flavor` names, with the tokenizer's
+    vocabulary, the [model] keys of `overridable` that are set, the training's sequence length and
+    model.rope_per_document; checked for what every family checks (the vocabulary, grouped-query heads)."""
+    if config.model.flavor not in flavors:
+        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
+    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
+    for key in overridable:
+        value = getattr(config.model, key)
+        if value is not None:
+            setattr(args, key, value)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
+                         f"than the tokenizer's vocabulary ({vocab_size})")
+    kv_heads = getattr(args, "n_kv_heads", None)
+    if kv_heads and args.n_heads % kv_heads:
+        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {kv_heads}")
+    args.max_seq_len = config.training.seq_len
+    args.rope_per_document = config.model.rope_per_document
+    return args

@@ -2,9 +2,9 @@
 bias-corrected sigmoid routing; its published sizes ("flavors"), how to parallelize it and its Hugging Face names.
 `__all__` below is this package's side of the model-package contract (docs/models.md)."""
 
-from dataclasses import replace
 
 from components.config import Config
+from models.decoder_config import flavor_args
 from models.deepseek_v3.config import ModelConfig
 from models.deepseek_v3.flavors import flavors
 from models.deepseek_v3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
@@ -25,22 +25,11 @@ OVERRIDABLE = ("dim", "n_layers", "n_heads", "ffn_dim", "first_dense_layers", "q
 def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     """The flavor's dimensions, with the [model] overrides, the tokenizer's vocabulary and the [moe] section's
     settings applied, checked."""
-    if config.model.flavor not in flavors:
-        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
-    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
-    for key in OVERRIDABLE:
-        value = getattr(config.model, key)
-        if value is not None:
-            setattr(args, key, value)
-    if args.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
-                         f"than the tokenizer's vocabulary ({vocab_size})")
+    args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
     if args.qk_rope_head_dim % 2:
         raise ValueError(f"model.qk_rope_head_dim {args.qk_rope_head_dim} must be even for RoPE")
     if args.moe is not None:
         args.moe = moe_args_from_config(args.moe, config.moe)
-    args.max_seq_len = config.training.seq_len
-    args.rope_per_document = config.model.rope_per_document
     args.num_mtp_layers, args.mtp_loss_weight = config.model.num_mtp_layers, config.model.mtp_loss_weight
     return args
 

@@ -3,6 +3,7 @@ Hugging Face names. `__all__` below is this package's side of the model-package 
 (docs/models.md): the only names train.py, components/ and scripts/ use. A forked model exports the same."""
 
 from components.config import Config
+from models.decoder_config import flavor_args
 from models.llama3.config import ModelConfig
 from models.llama3.flavors import flavors
 from models.llama3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
@@ -23,25 +24,11 @@ OVERRIDABLE = (
 
 def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     """The flavor's dimensions, with the [model] overrides and the tokenizer's vocabulary applied."""
-    if config.model.flavor not in flavors:
-        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
-    args = ModelArgs(**vars(flavors[config.model.flavor]))
-    args.vocab_size = vocab_size
-    for key in OVERRIDABLE:
-        value = getattr(config.model, key)
-        if value is not None:
-            setattr(args, key, value)
-    if args.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
-                         f"than the tokenizer's vocabulary ({vocab_size})")
+    args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
     if args.dim % args.n_heads:
         raise ValueError(f"model.dim {args.dim} is not divisible by model.n_heads {args.n_heads}")
-    if args.n_heads % (args.n_kv_heads or args.n_heads):
-        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
     if args.head_dim % 2:
         raise ValueError(f"head dim {args.head_dim} (model.dim / model.n_heads) must be even for RoPE")
-    args.max_seq_len = config.training.seq_len
-    args.rope_per_document = config.model.rope_per_document
     args.qk_norm = config.model.qk_norm
     if config.model.mup:
         args.mup_base_dim = config.model.mup_base_dim

@@ -2,9 +2,9 @@
 it and its Hugging Face names. `__all__` below is this package's side of the model-package contract
 (docs/models.md): the only names train.py, components/ and scripts/ use."""
 
-from dataclasses import replace
 
 from components.config import Config
+from models.decoder_config import flavor_args
 from models.moe import moe_args_from_config
 from models.qwen3.config import ModelConfig
 from models.qwen3.flavors import flavors
@@ -24,22 +24,9 @@ OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps"
 def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     """The flavor's dimensions, with the [model] overrides and the tokenizer's vocabulary applied, and
     for an MoE flavor the [moe] section's settings."""
-    if config.model.flavor not in flavors:
-        raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
-    args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
-    for key in OVERRIDABLE:
-        value = getattr(config.model, key)
-        if value is not None:
-            setattr(args, key, value)
-    if args.vocab_size < vocab_size:
-        raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
-                         f"than the tokenizer's vocabulary ({vocab_size})")
-    if args.n_heads % (args.n_kv_heads or args.n_heads):
-        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")
+    args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
     if args.moe is not None:
         args.moe = moe_args_from_config(args.moe, config.moe)
-    args.max_seq_len = config.training.seq_len
-    args.rope_per_document = config.model.rope_per_document
     return args
 
 
