@@ -30,7 +30,13 @@ from components.checkpoint import CheckpointManager, TrainState
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
 from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
-from components.distributed import ParallelDims, init_distributed, on_rank0_for_all, set_collective_timeout
+from components.distributed import (
+    ParallelDims,
+    init_distributed,
+    on_rank0_for_all,
+    seed_dtensor_random,
+    set_collective_timeout,
+)
 from components.evaluation.in_loop import Evaluations
 from components.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, outer_step, replica_folder, replica_groups
@@ -242,9 +248,7 @@ def place_model(whole_model: nn.Module, model_package, dims: ParallelDims, mesh:
         model_parts, stage_ids, num_stages = family_split(model_package)(whole_model, mesh["pp"], config)
     model_parts = [model_package.parallelize(part, dims, mesh, config, device) for part in model_parts]
     if not init_before_sharding and dims.pp > 1:
-        # Each pipeline stage draws its own weights. DTensor's RNG would otherwise copy rank 0's
-        # state to every rank (private API: torch has no public way to opt out of that sync).
-        torch.distributed.tensor._random.manual_seed(config.training.seed + mesh["pp"].get_local_rank(), mesh)
+        seed_dtensor_random(config.training.seed + mesh["pp"].get_local_rank(), mesh)  # each stage its own draws
     for part in model_parts:
         if not init_before_sharding:
             initialize_on_device(part, device, config.parallelism.fsdp_cpu_offload)

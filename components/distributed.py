@@ -68,6 +68,14 @@ def on_rank0_for_all(check: Callable[..., None], *args) -> None:
         raise kind(message)
 
 
+def seed_dtensor_random(seed: int, mesh: DeviceMesh) -> None:
+    """Seed DTensor's random ops (the initialization of sharded weights) on this rank with `seed`. Through torch's
+    private `torch.distributed.tensor._random.manual_seed` (torch 2.11 to 2.13): its RNG tracker otherwise copies
+    rank 0's state to every rank, and torch has no public way to give ranks their own (each pipeline stage draws
+    its own weights)."""
+    torch.distributed.tensor._random.manual_seed(seed, mesh)
+
+
 def set_collective_timeout(seconds: int, mesh: DeviceMesh) -> None:
     """Swap the generous start-up timeout for the training one on every group the run uses."""
     timeout = timedelta(seconds=seconds)

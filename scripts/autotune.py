@@ -25,6 +25,7 @@ from components.batch import BatchPlan, batch_plan
 from components.config import REPO_ROOT, Config, ConfigError, Training, load_config
 from components.distributed import ParallelDims
 from components.metrics import read_metrics
+from scripts.ac_modes import ac_flags
 from scripts.memory_estimate import cpu_baseline_bytes, estimate
 
 AC_MODES = ("none", "op", "full")
@@ -33,13 +34,6 @@ AC_MODES = ("none", "op", "full")
 # --------------------------------------------------------------------------------------------------
 # Candidates
 # --------------------------------------------------------------------------------------------------
-
-
-def ac_flags(ac: str) -> list[str]:
-    """The config arguments of an activation checkpointing mode: none, full, op or N (selective)."""
-    if ac in ("none", "full"):
-        return ["--activation_checkpoint.mode", ac]
-    return ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", ac]
 
 
 @dataclass(frozen=True)

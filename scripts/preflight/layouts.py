@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from components.config import ConfigError, load_config
 from components.distributed import ParallelDims
-from scripts.autotune import ac_flags
+from scripts.ac_modes import ac_flags
 from scripts.memory_estimate import estimate
 from scripts.preflight.predict import Cluster, Prediction, Step, duration, predict
 from scripts.preflight.rank import default_ranks, run_ranks
