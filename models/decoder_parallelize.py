@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from components.config import DTYPES, Config, ConfigError
 from components.distributed import ParallelDims
@@ -81,6 +83,21 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
                    reshard_after_forward=p.fsdp_reshard_after_forward, pipeline_parallel=dims.pp > 1,
                    cpu_offload=p.fsdp_cpu_offload)
     return model
+
+
+def ends_tensor_parallel_plan(model: nn.Module, embedding: str, norm: str, output: str) -> dict:
+    """The tensor-parallel plan of a decoder's ends that this model (or pipeline stage) holds, by their names: the
+    embedding's output reduce-scattered to sequence shards (Shard(1)), the final norm on those shards, the output
+    layer's logits left sharded over the vocabulary (Shard(-1)) for a loss computed without gathering them (loss
+    parallel)."""
+    plan = {}
+    if getattr(model, embedding) is not None:
+        plan[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(model, norm) is not None:
+        plan[norm] = SequenceParallel()
+    if getattr(model, output) is not None:
+        plan[output] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    return plan
 
 
 def tp_divides_heads(model: nn.Module, tp: int) -> None:

@@ -17,9 +17,11 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
@@ -43,6 +45,20 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict, se
     for name in plan:
         module.get_submodule(name).register_forward_hook(_wait_collective_output)
     return module
+
+
+def tensor_parallel_styles(float8_comm: bool) -> tuple[type, type, type]:
+    """The column-wise, row-wise and input-preparing styles of a plan: torchao's float8 ones when the all-gathers
+    move float8 rather than bf16 activations (`float8_comm`, parallelisms/float8.py's `gathers_float8`)."""
+    if float8_comm:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
 SEQUENCE = Shard(1)

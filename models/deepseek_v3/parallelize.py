@@ -21,14 +21,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from components.config import Config
 from components.distributed import ParallelDims
 from components.moe_layer import is_moe_layer
-from models.decoder_parallelize import parallelize_decoder
+from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.expert_parallel import moe_tensor_parallel_plan
-from parallelisms.tensor_parallel import ReplicateParallel
+from parallelisms.tensor_parallel import ReplicateParallel, tensor_parallel_styles
 
 KEPT_IN_HIGH_PRECISION = ["router.gate", "attention.wq_a", "attention.wkv_a"]
 """Out of float8: the routers (their logits choose the experts) and the latent projections (see above)."""
@@ -38,22 +38,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output) with multi-head latent
     attention's: the heads split over the ranks, the latents computed whole on each. An MoE feed-forward routes
     this rank's sequence shard through whole experts."""
-    if float8_comm:
-        # The blocks' all-gathers then move float8 rather than bf16 activations.
-        from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel as Colwise,
-            Float8RowwiseParallel as Rowwise,
-            PrepareFloat8ModuleInput as PrepareInput,
-        )
-    else:
-        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.norm is not None:
-        plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
+    plan = ends_tensor_parallel_plan(model, "tok_embeddings", "norm", "output")
     blocks = {f"layers.{name}": block for name, block in model.layers.items()}
     for name, depth in model.mtp.items():  # multi-token prediction: per token, on the sequence shards
         blocks[f"mtp.{name}.block"] = depth.block

@@ -14,14 +14,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from components.attention import qk_norm_tensor_parallel_plan
 from components.config import Config
 from components.distributed import ParallelDims
 from components.moe_layer import is_moe_layer
-from models.decoder_parallelize import parallelize_decoder
+from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.expert_parallel import moe_tensor_parallel_plan
+from parallelisms.tensor_parallel import tensor_parallel_styles
 
 ROUTER = "router.gate"
 """Kept out of float8: the router's logits choose the experts, a small matmul where precision matters."""
@@ -33,22 +34,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     - the QK-norms, whose weights are replicated and their gradients summed over the tp ranks, which
       hold different heads (components/attention.py, qk_norm_tensor_parallel_plan).
     - an MoE feed-forward routes this rank's sequence shard through whole experts."""
-    if float8_comm:
-        # The blocks' all-gathers then move float8 rather than bf16 activations.
-        from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel as Colwise,
-            Float8RowwiseParallel as Rowwise,
-            PrepareFloat8ModuleInput as PrepareInput,
-        )
-    else:
-        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if model.norm is not None:
-        plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
+    plan = ends_tensor_parallel_plan(model, "tok_embeddings", "norm", "output")
     for name, block in model.layers.items():
         prefix = f"layers.{name}"
         plan |= {
