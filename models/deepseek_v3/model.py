@@ -31,6 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from components.loss import MultiTokenLogits
 from models.activations import activation
+from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
 from models.moe import MoE, MoEArgs
 from parallelisms.tensor_parallel import local_for_own_heads
@@ -317,18 +318,10 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
         pipeline stage that holds only some of the modules."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight  # to_empty() untied them (models/qwen3/model.py)
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
-        if self.output is not None and not self.args.tie_embeddings:
-            final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+        init_decoder_ends(self, tied=self.args.tie_embeddings, output_std=self.args.dim**-0.5)
         for depth in self.mtp.values():  # last: the rest starts as it does without them
             depth.init_weights()
 

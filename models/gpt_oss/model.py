@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from components.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, document_mask
+from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
 from models.moe import MoE, MoEArgs, use_grouped_mm
 
@@ -227,13 +228,7 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=1.0)
-        if self.output is not None:
-            final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+        init_decoder_ends(self, tied=False, output_std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from models.activations import activation
+from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
 
 
@@ -257,20 +258,12 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
         pipeline stage that holds only some of the modules."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            # to_empty() from the meta device gives each module its own new plain parameter (DTensor
-            # parameters are swapped in place and stay shared): share the matrix again.
-            self.output.weight = self.tok_embeddings.weight
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_embeddings else 1.0)
-        if self.output is not None and not self.args.tie_embeddings:
-            final_std = (self.args.mup_base_dim or self.args.dim) ** -0.5  # µP: the base width's, whatever the width
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+        # µP: the output layer's std is the base width's, whatever the width.
+        init_decoder_ends(self, tied=self.args.tie_embeddings,
+                          output_std=(self.args.mup_base_dim or self.args.dim) ** -0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
