@@ -156,11 +156,14 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def compiled_flex_attention(*args, **kwargs):
-    """flex_attention, compiled on its first call: eager, it materializes the whole score matrix; compiled, it is
-    a fused kernel that skips masked blocks. (Compiling at import would import torch's compiler into every
-    process, about two seconds of its start-up.)"""
-    return _compiled_flex_attention()(*args, **kwargs)
+def compiled_flex_attention(q: torch.Tensor, *args, **kwargs):
+    """flex_attention, compiled on its first call on CUDA: eager, it materializes the whole score matrix; compiled,
+    it is a fused kernel that skips masked blocks. (Compiling at import would import torch's compiler into every
+    process, about two seconds of its start-up.) Elsewhere eager: a CPU reaches FlexAttention only when asked to
+    (`flex=True`), forward only, and compiling it there takes tens of seconds."""
+    if q.device.type != "cuda":
+        return flex_attention(q, *args, **kwargs)
+    return _compiled_flex_attention()(q, *args, **kwargs)
 
 
 def use_flex_attention(device: torch.device) -> bool:
@@ -168,7 +171,7 @@ def use_flex_attention(device: torch.device) -> bool:
 
     torch 2.13's flex_attention runs forward on CPU, eager or compiled, but has no backward there
     (and its compiled CPU kernel fails to lower inside a compiled block), so CPU training takes the
-    dense mask. Tests patch this function to run the flex path on CPU."""
+    dense mask. The builders of masks take `flex=` to choose otherwise."""
     return device.type == "cuda"
 
 
@@ -182,7 +185,7 @@ def declared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: 
     head_dim). Under FlexAttention (CUDA), one kernel that skips the blocks the spec masks whole; elsewhere by chunks
     of queries (`attention_by_chunks`)."""
     if use_flex_attention(q.device):
-        return masked_attention(q, k, v, _declared_block_mask(q.shape[2], spec, str(q.device)), sink_logits)
+        return masked_attention(q, k, v, declared_block_mask(q.shape[2], spec, str(q.device)), sink_logits)
     return attention_by_chunks(q, k, v, 0, spec, sink_logits)
 
 
@@ -237,8 +240,9 @@ def attention_and_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=8)
-def _declared_block_mask(seq: int, spec: AttentionMask, device: str) -> BlockMask:
-    """Built once per shape and declaration: it depends on nothing else."""
+def declared_block_mask(seq: int, spec: AttentionMask, device: str) -> BlockMask:
+    """FlexAttention's mask of a sequence of `seq` under `spec` alone (no documents), what `declared_attention`
+    attends under on CUDA. Built once per shape and declaration: it depends on nothing else."""
 
     def declared(b, h, q_idx, kv_idx):
         return spec.allows(q_idx, kv_idx)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 
-def init_decoder_ends(model: nn.Module, *, tied: bool, output_std: float, embedding: str = "tok_embeddings",
-                      norm: str = "norm", output: str = "output") -> None:
+def init_decoder_ends(model: nn.Module, embedding: str, norm: str, output: str, *, tied: bool,
+                      output_std: float) -> None:
     """Fill the ends this model (or pipeline stage) holds, named `embedding`, `norm` and `output`: the norm reset,
     the embedding normal (std 1, or 0.02 when `tied` to the output layer, which then shares its matrix again:
     to_empty() from the meta device gives each module its own), the output layer truncated normal (std

@@ -23,8 +23,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from components import attention
-from components.attention import CAUSAL, AttentionMask, flex_block_mask
+from components.attention import CAUSAL, AttentionMask, flex_block_mask, use_flex_attention
 from components.data.documents import document_positions
 
 
@@ -113,16 +112,17 @@ def rank_positions(document_ids: torch.Tensor, cp_size: int, cp_rank: int,
 
 
 def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL, *, cp_size: int,
-                        cp_rank: int, facts: ChunkFacts = chunk_facts) -> ShardedDocuments:
+                        cp_rank: int, facts: ChunkFacts = chunk_facts, flex: bool | None = None) -> ShardedDocuments:
     """allgather's mask for the layers declaring `spec`: each of this rank's query chunks sees the keys from the
     earliest start of its first query's document, or of its window (without sinks), over the rows, to its latest
-    end; on CUDA under a FlexAttention mask, built here once for every such layer."""
+    end; under a FlexAttention mask, built here once for every such layer, if `flex` (default: on CUDA,
+    components/attention.py's `use_flex_attention`)."""
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
     shares = share_positions(document_ids, cp_size, chunks)
     mine = chunks[:, cp_rank].tolist()
-    flex = attention.use_flex_attention(document_ids.device)
+    flex = use_flex_attention(document_ids.device) if flex is None else flex
     plan = []
     for j in range(2):
         start = min(max(doc_starts[row][share[j]], spec.first_key(share[j] * size)) for row, share in enumerate(mine))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import import_fork, on_ranks, sliding_window_fork
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 import components.data.documents
 from components import attention
@@ -128,7 +128,7 @@ def test_the_plans_of_allgather_and_ring_keep_every_key_a_query_sees_and_ring_sk
                     assert bool(ring.plan[a, owner, b]) == sees, (rank, a, owner, b)
 
 
-def allgather_documents_against_sdpa(device: str, dtype: torch.dtype, cp_rank: int
+def allgather_documents_against_sdpa(device: str, dtype: torch.dtype, cp_rank: int, flex: bool | None = None
                                      ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """allgather's attention under document masking of rank `cp_rank`'s queries (CP 4, two rows of packed
     documents) to the whole sequence, against the rows of SDPA under the model's whole boolean mask (fp32,
@@ -138,7 +138,7 @@ def allgather_documents_against_sdpa(device: str, dtype: torch.dtype, cp_rank: i
     generator = torch.Generator(device=device).manual_seed(0)
     q, probe = (torch.randn(2, 4, 64, 32, device=device, generator=generator) for _ in range(2))
     k, v = (torch.randn(2, 2, 64, 32, device=device, generator=generator) for _ in range(2))
-    documents = allgather_documents(ids, cp_size=4, cp_rank=cp_rank)
+    documents = allgather_documents(ids, cp_size=4, cp_rank=cp_rank, flex=flex)
     positions = documents.shares[:, cp_rank]
     grad = device != "cpu"
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
@@ -155,7 +155,7 @@ def allgather_documents_against_sdpa(device: str, dtype: torch.dtype, cp_rank: i
             ("dv", mine[2].grad, leaves[2].grad)]
 
 
-def test_allgather_under_documents_takes_flex_masks_built_once_where_flex_runs_and_matches_boolean_ones(monkeypatch):
+def test_allgather_under_documents_takes_flex_masks_built_once_where_flex_runs_and_matches_boolean_ones():
     """On CUDA allgather's mask builder gives each query chunk a FlexAttention mask, built once for every layer;
     the attention under them (forward: eager flex on CPU, as tests/test_document_masking.py) matches SDPA under the
     model's whole mask, as do the boolean masks built per chunk elsewhere (every rank of CP 4)."""
@@ -164,14 +164,12 @@ def test_allgather_under_documents_takes_flex_masks_built_once_where_flex_runs_a
                                                                           cp_rank=rank).plan)
         for name, got, expected in allgather_documents_against_sdpa("cpu", torch.float32, rank):
             torch.testing.assert_close(got, expected, **TOL, msg=f"boolean, rank {rank}: {name}")
-    monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
-    monkeypatch.setattr(attention, "compiled_flex_attention", flex_attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
         for rank in range(4):
-            plan = allgather_documents(packed_rows(2, 64, 12), cp_size=4, cp_rank=rank).plan
+            plan = allgather_documents(packed_rows(2, 64, 12), cp_size=4, cp_rank=rank, flex=True).plan
             assert all(isinstance(keys.block_mask, BlockMask) for keys in plan)
-            for name, got, expected in allgather_documents_against_sdpa("cpu", torch.float32, rank):
+            for name, got, expected in allgather_documents_against_sdpa("cpu", torch.float32, rank, flex=True):
                 torch.testing.assert_close(got, expected, **TOL, msg=f"flex, rank {rank}: {name}")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, build_model, losses, tiny_model_args
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 import components.attention as attention
 import models.llama3.model as llama
@@ -218,7 +218,7 @@ def test_cpu_takes_the_dense_mask_and_cuda_takes_flex_attention():
     ]
 
 
-def test_flex_attention_path_matches_the_dense_mask_on_cpu(monkeypatch):
+def test_flex_attention_path_matches_the_dense_mask_on_cpu():
     """torch 2.13's CPU flex_attention runs forward only (no backward on CPU). Eager flex is used
     here because compiling it on CPU takes tens of seconds; compiled, it matched as well."""
     model = build_model(tiny_args(rope_per_document=True))
@@ -226,18 +226,17 @@ def test_flex_attention_path_matches_the_dense_mask_on_cpu(monkeypatch):
     ids = document_ids(window, EOS)
     with torch.no_grad():
         dense = model(window, document_ids=ids)
-        monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
-        calls = []
+        built = []
 
-        def eager_flex_attention(*args, **kwargs):
-            calls.append(kwargs["block_mask"])
-            return flex_attention(*args, **kwargs)
+        def flex_masks(document_ids, spec):  # the model contract's document_mask, FlexAttention's
+            built.append(attention.document_mask(document_ids, spec, flex=True))
+            return built[-1]
 
-        monkeypatch.setattr(attention, "compiled_flex_attention", eager_flex_attention)
+        model.document_mask = flex_masks
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
             flex = model(window, document_ids=ids)
-    assert len(calls) == 2 and calls[0] is calls[1]  # every layer, one BlockMask shared by all
+    assert len(built) == 1 and isinstance(built[0], BlockMask)  # one BlockMask, shared by every layer
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
@@ -253,7 +252,7 @@ DECLARED = [attention.AttentionMask(window=40), attention.AttentionMask(window=4
 
 @pytest.mark.parametrize("documents", [False, True], ids=["alone", "documents"])
 @pytest.mark.parametrize("spec", DECLARED, ids=["window", "window_sinks", "mask_mod", "window_mask_mod"])
-def test_a_declared_mask_attends_as_its_definition_says_dense_chunked_and_flex(spec, documents, monkeypatch):
+def test_a_declared_mask_attends_as_its_definition_says_dense_chunked_and_flex(spec, documents):
     """causal_attention under each declaration (CPU: chunks of WINDOW_CHUNK queries, or the dense document mask)
     against softmax over the keys the definition lists, written out here: at or before the query, in its
     document, within the window or among the first `sinks` of its document, where mask_mod allows. The
@@ -273,11 +272,10 @@ def test_a_declared_mask_attends_as_its_definition_says_dense_chunked_and_flex(s
     expected = scores.softmax(-1) @ v.repeat_interleave(2, 1)
     mask = attention.document_mask(ids, spec) if documents else None
     torch.testing.assert_close(attention.causal_attention(q, k, v, mask, spec), expected, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(attention, "use_flex_attention", lambda device: True)
-    monkeypatch.setattr(attention, "compiled_flex_attention", flex_attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
-        mask = attention.document_mask(ids, spec) if documents else None
+        mask = (attention.document_mask(ids, spec, flex=True) if documents
+                else attention.declared_block_mask(seq, spec, "cpu"))
         torch.testing.assert_close(attention.causal_attention(q, k, v, mask, spec), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -321,7 +321,8 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        init_decoder_ends(self, tied=self.args.tie_embeddings, output_std=self.args.dim**-0.5)
+        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=self.args.tie_embeddings,
+                          output_std=self.args.dim**-0.5)
         for depth in self.mtp.values():  # last: the rest starts as it does without them
             depth.init_weights()
 

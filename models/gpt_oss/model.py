@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        init_decoder_ends(self, tied=False, output_std=self.args.dim**-0.5)
+        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=False, output_std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

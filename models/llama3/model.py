@@ -262,7 +262,7 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             block.init_weights()
         # µP: the output layer's std is the base width's, whatever the width.
-        init_decoder_ends(self, tied=self.args.tie_embeddings,
+        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=self.args.tie_embeddings,
                           output_std=(self.args.mup_base_dim or self.args.dim) ** -0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:

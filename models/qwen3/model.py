@@ -201,7 +201,8 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_frequencies(self.args))
         for block in self.layers.values():
             block.init_weights()
-        init_decoder_ends(self, tied=self.args.tie_embeddings, output_std=self.args.dim**-0.5)
+        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=self.args.tie_embeddings,
+                          output_std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
