@@ -228,7 +228,7 @@ LAYOUTS = {
 }
 TRAINED = {  # what each fork trains under; every context-parallel method of each mixer runs in gloo above
     "conv": ("fsdp2", "pp2", "tp2", "tp2_no_sequence_parallel", "cp2_allgather"),
-    "recurrence": ("fsdp2", "tp2", "tp2_no_sequence_parallel", "cp2_ring", "cp2_alltoall"),
+    "recurrence": ("fsdp2", "pp2", "tp2", "tp2_no_sequence_parallel", "cp2_ring", "cp2_alltoall"),
     "inline_shift": ("fsdp2", "pp2", "tp2_no_sequence_parallel"),
 }
 REFUSED = ("inline_shift_tp2", "inline_shift_cp2_alltoall")
