@@ -38,7 +38,7 @@ class DecoderConfig(Model):
 def flavor_args(config: Config, flavors: dict, overridable: Sequence[str], vocab_size: int):
     """What every family's build_model_args starts from: the flavor `model.flavor` names, with the tokenizer's
     vocabulary, the [model] keys of `overridable` that are set, the training's sequence length and
-    model.rope_per_document; checked for what every family checks (the vocabulary, grouped-query heads)."""
+    model.rope_per_document; the vocabulary checked."""
     if config.model.flavor not in flavors:
         raise ValueError(f"model.flavor '{config.model.flavor}' is not one of: {', '.join(flavors)}")
     args = replace(flavors[config.model.flavor], vocab_size=vocab_size)
@@ -49,9 +49,12 @@ def flavor_args(config: Config, flavors: dict, overridable: Sequence[str], vocab
     if args.vocab_size < vocab_size:
         raise ValueError(f"model.vocab_size {args.vocab_size} is smaller "
                          f"than the tokenizer's vocabulary ({vocab_size})")
-    kv_heads = getattr(args, "n_kv_heads", None)
-    if kv_heads and args.n_heads % kv_heads:
-        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {kv_heads}")
     args.max_seq_len = config.training.seq_len
     args.rope_per_document = config.model.rope_per_document
     return args
+
+
+def check_grouped_query_heads(args) -> None:
+    """The query heads must split evenly over the key/value heads (`n_kv_heads`; None: as many as the queries)."""
+    if args.n_heads % (args.n_kv_heads or args.n_heads):
+        raise ValueError(f"model.n_heads {args.n_heads} is not divisible by model.n_kv_heads {args.n_kv_heads}")

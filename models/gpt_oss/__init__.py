@@ -4,7 +4,7 @@ names. `__all__` below is this package's side of the model-package contract (doc
 
 
 from components.config import Config
-from models.decoder_config import flavor_args
+from models.decoder_config import check_grouped_query_heads, flavor_args
 from models.gpt_oss.config import ModelConfig
 from models.gpt_oss.flavors import flavors
 from models.gpt_oss.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
@@ -25,6 +25,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     """The flavor's dimensions, with the [model] overrides, the tokenizer's vocabulary and the [moe] section's
     settings applied, checked."""
     args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
+    check_grouped_query_heads(args)
     if args.head_dim % 2:
         raise ValueError(f"model.head_dim {args.head_dim} must be even for RoPE")
     args.moe = moe_args_from_config(args.moe, config.moe)

@@ -3,7 +3,7 @@ Hugging Face names. `__all__` below is this package's side of the model-package 
 (docs/models.md): the only names train.py, components/ and scripts/ use. A forked model exports the same."""
 
 from components.config import Config
-from models.decoder_config import flavor_args
+from models.decoder_config import check_grouped_query_heads, flavor_args
 from models.llama3.config import ModelConfig
 from models.llama3.flavors import flavors
 from models.llama3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
@@ -27,6 +27,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
     if args.dim % args.n_heads:
         raise ValueError(f"model.dim {args.dim} is not divisible by model.n_heads {args.n_heads}")
+    check_grouped_query_heads(args)
     if args.head_dim % 2:
         raise ValueError(f"head dim {args.head_dim} (model.dim / model.n_heads) must be even for RoPE")
     args.qk_norm = config.model.qk_norm

@@ -4,7 +4,7 @@ it and its Hugging Face names. `__all__` below is this package's side of the mod
 
 
 from components.config import Config
-from models.decoder_config import flavor_args
+from models.decoder_config import check_grouped_query_heads, flavor_args
 from models.moe import moe_args_from_config
 from models.qwen3.config import ModelConfig
 from models.qwen3.flavors import flavors
@@ -25,6 +25,7 @@ def build_model_args(config: Config, vocab_size: int) -> ModelArgs:
     """The flavor's dimensions, with the [model] overrides and the tokenizer's vocabulary applied, and
     for an MoE flavor the [moe] section's settings."""
     args = flavor_args(config, flavors, OVERRIDABLE, vocab_size)
+    check_grouped_query_heads(args)
     if args.moe is not None:
         args.moe = moe_args_from_config(args.moe, config.moe)
     return args
