@@ -78,10 +78,10 @@ def check_token_mixing(config: Config, dims: ParallelDims, model: nn.Module) -> 
     device) one of whose blocks mixes positions in a way it does not declare (components/undeclared_mixing.py).
     It materializes one block of each kind on the CPU: call it on one rank (components.distributed.on_rank0_for_all).
     """
-    splits = [what for what, splits in (
+    splits = [layout for layout, splitting in (
         (f"parallelism.tensor_parallel_degree {dims.tp} with sequence parallelism",
          dims.tp > 1 and config.parallelism.sequence_parallel),
-        (f"parallelism.context_parallel_degree {dims.cp}", dims.cp > 1)) if splits]
+        (f"parallelism.context_parallel_degree {dims.cp}", dims.cp > 1)) if splitting]
     if splits:
         mixing = undeclared_mixing(model)
         if mixing is not None:

@@ -70,7 +70,7 @@ def undeclared_mixing(model: nn.Module) -> str | None:
 
 def _structure(block: nn.Module) -> tuple:
     """What makes two blocks compute alike: their modules' classes, their parameters' shapes, their declarations."""
-    return tuple((name, type(m).__qualname__, tuple(getattr(m, "attention_mask", ()) and [m.attention_mask]),
+    return tuple((name, type(m).__qualname__, getattr(m, "attention_mask", None),
                   tuple((p, tuple(t.shape)) for p, t in m.named_parameters(recurse=False)))
                  for name, m in block.named_modules())
 

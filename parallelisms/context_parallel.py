@@ -303,7 +303,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
         }[method],
         attention,
     )
-    carry_over_context(model, cp_mesh)  # the convolutions and recurrent layers it declares besides attention
+    carry_over_context(model, cp_mesh, facts)  # the convolutions and recurrent layers it declares besides attention
     return model
 
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallel
 
 from components.config import ConfigError
 from components.token_mixing import convolution_layers, recurrent_layers
-from parallelisms.context_parallel_documents import share_positions, take
+from parallelisms.context_parallel_documents import ChunkFacts, chunk_facts, share_positions, take
 from parallelisms.sequence_shares import heads_for_sequence, rank_order, sequence_for_heads
 
 
@@ -36,13 +36,15 @@ def has_token_mixers(module: nn.Module) -> bool:
     return any(True for _ in convolution_layers(module)) or any(True for _ in recurrent_layers(module))
 
 
-def carry_over_context(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+def carry_over_context(model: nn.Module, cp_mesh: DeviceMesh, facts: ChunkFacts = chunk_facts) -> None:
     """Give every declared convolution and recurrent layer of `model` whole sequences of a share of its channels or
-    heads under context parallelism."""
+    heads under context parallelism. `facts`: the model's LastChunkFacts, so that every layer of a forward reads the
+    document chunks its positions and masks read, without copying them from the device again."""
     for name, layer in convolution_layers(model):
-        layer.conv = partial(conv_over_shares, kernel=layer.conv, cp_mesh=cp_mesh, name=name)
+        layer.conv = partial(conv_over_shares, kernel=layer.conv, cp_mesh=cp_mesh, name=name, facts=facts)
     for name, layer in recurrent_layers(model):
-        layer.recurrence = partial(recurrence_over_shares, kernel=layer.recurrence, cp_mesh=cp_mesh, name=name)
+        layer.recurrence = partial(recurrence_over_shares, kernel=layer.recurrence, cp_mesh=cp_mesh, name=name,
+                                   facts=facts)
 
 
 def sequence_parallel_mixers(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
@@ -59,11 +61,12 @@ def sequence_parallel_mixers(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) 
             output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True))
 
 
-def _order(seq: int, cp_size: int, document_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _order(seq: int, cp_size: int, document_ids: torch.Tensor | None, device: torch.device,
+           facts: ChunkFacts) -> torch.Tensor:
     """(rows, seq): the positions of the ranks' shares concatenated in rank order (zigzag, or by documents)."""
     if document_ids is None:
         return rank_order(seq, cp_size).to(device)[None]
-    return share_positions(document_ids, cp_size).flatten(1)
+    return share_positions(document_ids, cp_size, facts=facts).flatten(1)
 
 
 def whole_sequences(t: torch.Tensor, cp_mesh: DeviceMesh, order: torch.Tensor) -> torch.Tensor:
@@ -90,22 +93,22 @@ def _check_divides(count: int, what: str, name: str, cp_mesh: DeviceMesh) -> Non
 
 
 def conv_over_shares(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor | None = None, *, kernel,
-                     cp_mesh: DeviceMesh, name: str) -> torch.Tensor:
+                     cp_mesh: DeviceMesh, name: str, facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """A `ConvolutionLayer`'s kernel on this rank's share x (batch, local, channels): computed by `kernel` on whole
     sequences of cp-th of the channels, with their share of the weight (channels, k)."""
     _check_divides(x.shape[-1], "channels", name, cp_mesh)
-    order = _order(x.shape[1] * cp_mesh.size(), cp_mesh.size(), document_ids, x.device)
+    order = _order(x.shape[1] * cp_mesh.size(), cp_mesh.size(), document_ids, x.device, facts)
     mine = weight.unflatten(0, (cp_mesh.size(), -1))[cp_mesh.get_local_rank()]
     out = kernel(whole_sequences(x[..., None], cp_mesh, order)[..., 0], mine, document_ids)
     return own_shares(out[..., None], cp_mesh, order)[..., 0]
 
 
 def recurrence_over_shares(*inputs: torch.Tensor, document_ids: torch.Tensor | None = None, kernel,
-                           cp_mesh: DeviceMesh, name: str) -> torch.Tensor:
+                           cp_mesh: DeviceMesh, name: str, facts: ChunkFacts = chunk_facts) -> torch.Tensor:
     """A `RecurrentLayer`'s kernel on this rank's share of its inputs (batch, local, heads, ...): computed by
     `kernel` on whole sequences of cp-th of the heads."""
     for t in inputs:
         _check_divides(t.shape[2], "heads", name, cp_mesh)
-    order = _order(inputs[0].shape[1] * cp_mesh.size(), cp_mesh.size(), document_ids, inputs[0].device)
+    order = _order(inputs[0].shape[1] * cp_mesh.size(), cp_mesh.size(), document_ids, inputs[0].device, facts)
     out = kernel(*(whole_sequences(t, cp_mesh, order) for t in inputs), document_ids=document_ids)
     return own_shares(out, cp_mesh, order)
