@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch train.py with torchrun on this machine, through components/launch.py: it exits with the workers' own
+# Launch train.py with torchrun on this machine, through components/run/launch.py: it exits with the workers' own
 # status (0; 2 bad config or input; 3 stopped by the step guard; 4 a hang; 75 preempted after a checkpoint; the worst one
 # when ranks differ; see docs/reliability.md) and shows a failure once, from the rank that failed first.
 #   NGPU         processes on this node (default: the number of CUDA GPUs, or 1 without CUDA)
@@ -18,6 +18,6 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 ROOT=$(dirname "$0")
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# Without NGPU the launcher starts one process per CUDA GPU, or one (components/launch.py).
-exec python -m components.launch --standalone ${NGPU:+--nproc_per_node "$NGPU"} "$ROOT/train.py" \
+# Without NGPU the launcher starts one process per CUDA GPU, or one (components/run/launch.py).
+exec python -m components.run.launch --standalone ${NGPU:+--nproc_per_node "$NGPU"} "$ROOT/train.py" \
   --job.config_file "$CONFIG_FILE" "$@"

@@ -3,8 +3,9 @@ load -> train loop. Launch it with ./run_train.sh (torchrun); `python train.py -
 also works for a single process.
 
 What runs inside the loop besides the step itself reaches it as small objects: features that add figures to
-a step's record (components/in_loop.py), validation and evaluation (components/evaluation/in_loop.py), the
-checkpointer, the profiler and the stop on a signal (components/stopping.py).
+a step's record (components/training/loop_features.py), validation and evaluation
+(components/evaluation/in_loop.py), the checkpointer, the profiler and the stop on a signal
+(components/run/stopping.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -24,13 +26,22 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from components import wandb_logging
-from components.batch import batch_plan
-from components.checkpoint import CheckpointManager, TrainState
+from components.checkpoint.dcp import CheckpointManager, TrainState
+from components.checkpoint.resume import check_resume, run_record
 from components.config import Config, ConfigError, dump_config, load_config, to_toml
+from components.data.batch_plan import batch_plan
 from components.data.fingerprint import DataHash
 from components.data.loaders import build_dataloader
-from components.distributed import (
+from components.data.tokenizer import build_tokenizer
+from components.distributed.fault_tolerance import (
+    NoReplicas,
+    ReplicaGroups,
+    data_share,
+    outer_step,
+    replica_folder,
+    replica_groups,
+)
+from components.distributed.mesh import (
     ParallelDims,
     init_distributed,
     on_rank0_for_all,
@@ -38,31 +49,29 @@ from components.distributed import (
     set_collective_timeout,
 )
 from components.evaluation.in_loop import Evaluations
-from components.exit_codes import EXIT_BAD_INPUT, exit_process
-from components.fault_tolerance import NoReplicas, ReplicaGroups, data_share, outer_step, replica_folder, replica_groups
-from components.garbage_collection import GarbageCollection
-from components.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
-from components.hf import load_hf_weights
-from components.hf_export import check_hf_form, export
-from components.in_loop import SourceTokens, loss_figures
-from components.launch import report_failure, run_worker
-from components.layer_metrics import LayerMetrics
-from components.layout_checks import check_model_supported, check_supported, check_token_mixing
-from components.loss import MultiTokenLoss, ZLoss, cross_entropy_loss
-from components.metrics import MetricsLogger, peak_memory_gib, slow_step_warning
-from components.model_contract import multi_token_depths
-from components.model_on_rank import ModelOnRank, forward_backward, local, over_ranks, prepare_batch
-from components.model_package import import_model_package
-from components.optim import LRSchedule, Optimizers, clip_grad_norm
-from components.param_norm import ParamNorm
-from components.profiling import Profiler
-from components.resume import check_resume, run_record
-from components.routing import RoutingTally
-from components.run_lock import die_with_launcher, lock_dump_folder, release_dump_folders
-from components.step_guard import StepGuard
-from components.stopping import Preemption, StopSignals, exit_status
-from components.stragglers import StepTimes
-from components.tokenizer import build_tokenizer
+from components.hf.export import check_hf_form, export
+from components.hf.load import load_hf_weights
+from components.metrics import wandb_logging
+from components.metrics.param_norm import ParamNorm
+from components.metrics.per_layer import LayerMetrics
+from components.metrics.profiling import Profiler
+from components.metrics.reporting import MetricsLogger, peak_memory_gib, slow_step_warning
+from components.metrics.stragglers import StepTimes
+from components.model.contract import multi_token_depths
+from components.model.layout_checks import check_model_supported, check_supported, check_token_mixing
+from components.run.exit_codes import EXIT_BAD_INPUT, exit_process
+from components.run.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
+from components.run.launch import report_failure, run_worker
+from components.run.lock import die_with_launcher, lock_dump_folder, release_dump_folders
+from components.run.stopping import Preemption, StopSignals, exit_status
+from components.training.garbage_collection import GarbageCollection
+from components.training.loop_features import SourceTokens, loss_figures
+from components.training.loss import MultiTokenLoss, ZLoss, cross_entropy_loss
+from components.training.model_on_rank import ModelOnRank, forward_backward, local, over_ranks, prepare_batch
+from components.training.optimizers import LRSchedule, Optimizers, clip_grad_norm
+from components.training.routing import RoutingTally
+from components.training.step_guard import StepGuard
+from models.families import import_model_package, model_config_class
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import Float8ScalePrecompute
 from parallelisms.fsdp import initialize_on_device
@@ -96,7 +105,7 @@ def train(config: Config, signals: StopSignals) -> int:
     if training.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
         torch.use_deterministic_algorithms(True)
-    # One job per dump folder: a second one stops here, before it writes anything (components/run_lock.py).
+    # One job per dump folder: a second one stops here, before it writes anything (components/run/lock.py).
     on_rank0_for_all(lock_dump_folder, dump_folder)
 
     # --- Tokenizer and model, built on the meta device (no memory) ---------------------------
@@ -143,7 +152,7 @@ def train(config: Config, signals: StopSignals) -> int:
         config.checkpoint, dump_folder, model_parts, optimizers, lr_schedule, dataloader, train_state, step_guard,
         training.steps, device, run_record=record, outer_step=outer_step(config.fault_tolerance, model_parts),
         load_hf=partial(load_hf_weights, model_parts=model_parts, package=model_package, args=model_args))
-    if config.checkpoint.create_seed_checkpoint:  # one process (components/layout_checks.py)
+    if config.checkpoint.create_seed_checkpoint:  # one process (components/model/layout_checks.py)
         logger.info(f"config written to {dump_config(config, dump_folder, 0)}")
         logger.info(f"seed checkpoint written to {checkpointer.save_seed()}")
         return 0
@@ -161,7 +170,7 @@ def train(config: Config, signals: StopSignals) -> int:
         logger.info(f"config written to {dump_config(config, dump_folder, start_step)}")
     replicas = replica_groups(config, checkpointer.states, start_step, metrics, dump_folder, device)
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
-    # What each step adds to its record (components/in_loop.py), in this order.
+    # What each step adds to its record (components/training/loop_features.py), in this order.
     micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics, device), replicas]
     step_features += loss_figures(model)
@@ -227,7 +236,8 @@ def train(config: Config, signals: StopSignals) -> int:
             part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"
-        export(config, checkpointer.folder / f"step-{training.steps}", hf_folder, config.checkpoint.export_dtype)
+        export(config, model_package, checkpointer.folder / f"step-{training.steps}", hf_folder,
+               config.checkpoint.export_dtype)
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
     return 0
 
@@ -266,7 +276,7 @@ def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages
     loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
     if config.training.z_loss:
         loss_fn = ZLoss(config.training.z_loss, device, compile_loss)
-    if multi_token_depths(model_parts[0]):  # never under pipeline parallelism (components/layout_checks.py)
+    if multi_token_depths(model_parts[0]):  # never under pipeline parallelism (components/model/layout_checks.py)
         loss_fn = MultiTokenLoss(loss_fn, device)
     pipeline = None
     if dims.pp > 1:
@@ -307,7 +317,7 @@ def train_step(
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
-        config = load_config(argv)
+        config = load_config(sys.argv[1:] if argv is None else argv, model_config_class)
         config.job.dump_folder = replica_folder(config.job.dump_folder, config.fault_tolerance)
         wandb_logging.check_installed(config.metrics)  # before anything is written
     except ConfigError as e:

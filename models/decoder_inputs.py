@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from components.attention import attention_layers
 from components.data.documents import document_positions
+from components.model.attention import attention_layers
 
 
 def rope_and_masks(model: nn.Module, rope: torch.Tensor, document_ids: torch.Tensor | None

@@ -23,8 +23,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from components.config import DTYPES, Config, ConfigError
-from components.distributed import ParallelDims
-from components.layout_checks import uses_fsdp
+from components.distributed.mesh import ParallelDims
+from components.model.layout_checks import uses_fsdp
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly

@@ -15,9 +15,9 @@ mechanisms, usable together:
 Expert parallelism (parallelisms/expert_parallel.py) sets `MoE.dispatcher`, which sends each token to
 the rank holding its expert and brings the result back; without it all experts are local.
 
-Code outside the families finds these layers by the interface of components/moe_layer.py (`MoELayer`), which
+Code outside the families finds these layers by the interface of components/model/moe_layer.py (`MoELayer`), which
 `MoE` has: a fork's copy of this module is recognised alike. The step's tally of what they routed, and the
-bias updates, are in components/routing.py.
+bias updates, are in components/training/routing.py.
 """
 
 from __future__ import annotations

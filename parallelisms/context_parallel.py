@@ -25,7 +25,7 @@ all-to-all trades back. Needs the heads each rank holds (after tensor parallelis
 key/value heads that do not are repeated up to the query heads first.
 
 All three run the same code on CPU/gloo and CUDA/NCCL (torch's experimental context_parallel has no
-CPU attention), and honour the mask each attention module declares (components/attention.py's AttentionMask: a
+CPU attention), and honour the mask each attention module declares (components/model/attention.py's AttentionMask: a
 sliding window, with or without documents); allgather and ring, which replace the module's kernel, refuse one whose
 `sdpa` is the model's own function (`check_declared_attention`).
 """
@@ -41,7 +41,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from components.attention import (
+from components.config import ConfigError
+from components.model.attention import (
     CAUSAL,
     AttentionLayer,
     AttentionMask,
@@ -51,7 +52,6 @@ from components.attention import (
     masked_attention,
     visible_keys,
 )
-from components.config import ConfigError
 from parallelisms.context_parallel_documents import (
     ChunkFacts,
     LastChunkFacts,
@@ -254,12 +254,12 @@ def check_declared_attention(model: nn.Module, method: str) -> None:
             continue
         if not isinstance(getattr(module, "attention_mask", None), AttentionMask):
             raise ConfigError(f"context parallelism: {name} has an sdpa but declares no attention_mask (an "
-                              "AttentionMask, components/attention.py; docs/models.md)")
+                              "AttentionMask, components/model/attention.py; docs/models.md)")
         if method != "alltoall" and module.sdpa is not causal_attention:
             kernel = getattr(module.sdpa, "__qualname__", repr(module.sdpa))
             raise ConfigError(f"parallelism.context_parallel_method {method} replaces the attention of {name}, "
                               f"whose sdpa is the model's own ({kernel}), and would drop its mask: declare the mask "
-                              "as the module's attention_mask with components.attention.causal_attention as its "
+                              "as the module's attention_mask with components.model.attention.causal_attention as its "
                               "sdpa, or use context_parallel_method alltoall, which runs the model's own kernel")
 
 
@@ -269,7 +269,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     (zigzag, or by documents under `document_masking`: parallelisms/context_parallel_documents.py): its
     `local_positions` give the positions whose RoPE angles it reads, its `document_mask` builder what the
     attention needs of the documents, and every attention layer (an `sdpa` and its `attention_mask`) attends through
-    the `method`'s attention, under the mask each declares (`attention_mask`, components/attention.py).
+    the `method`'s attention, under the mask each declares (`attention_mask`, components/model/attention.py).
     allgather and ring replace the shared kernel (`causal_attention`) and refuse a module whose `sdpa` is the
     model's own: what it computes is not declared. `heads_per_rank`, the query heads of a rank after tensor
     parallelism, lets alltoall refuse at start-up what it cannot split.
@@ -309,7 +309,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
 
 def attach_context_parallel(model: nn.Module, positions: Callable, document_mask: Callable,
                             attention: Callable[[AttentionLayer], Callable]) -> None:
-    """Where context parallelism enters a model (components/model_contract.py): the positions of this rank's
+    """Where context parallelism enters a model (components/model/contract.py): the positions of this rank's
     share of the sequence, the builder of what each attention layer gets of the documents, and each attention
     layer's kernel, `attention(layer)`. The memory estimator attaches its stand-ins here too."""
     model.local_positions = positions

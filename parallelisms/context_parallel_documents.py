@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import CAUSAL, AttentionMask, flex_block_mask, use_flex_attention
 from components.data.documents import document_positions
+from components.model.attention import CAUSAL, AttentionMask, flex_block_mask, use_flex_attention
 
 
 class ShardedDocuments(NamedTuple):
@@ -116,7 +116,7 @@ def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL
     """allgather's mask for the layers declaring `spec`: each of this rank's query chunks sees the keys from the
     earliest start of its first query's document, or of its window (without sinks), over the rows, to its latest
     end; under a FlexAttention mask, built here once for every such layer, if `flex` (default: on CUDA,
-    components/attention.py's `use_flex_attention`)."""
+    components/model/attention.py's `use_flex_attention`)."""
     size = document_ids.shape[1] // (2 * cp_size)
     doc_starts = facts(document_ids, 2 * cp_size)[0]
     chunks = _assign(doc_starts, cp_size, size)
@@ -136,7 +136,8 @@ def allgather_documents(document_ids: torch.Tensor, spec: AttentionMask = CAUSAL
 def chunk_block_mask(document_ids: torch.Tensor, queries: torch.Tensor, start: int, end: int,
                      spec: AttentionMask) -> BlockMask:
     """FlexAttention's mask of the queries at positions `queries` (batch, n) against the keys [start, end): those
-    `spec` lets each query see, in its document. Compiled on CUDA, as components/attention.py's `document_mask`."""
+    `spec` lets each query see, in its document. Compiled on CUDA, as
+    components/model/attention.py's `document_mask`."""
     first_key = torch.tensor(start, device=document_ids.device)  # a tensor: a new start does not recompile
     within = document_positions(document_ids) if spec.sinks else None
 

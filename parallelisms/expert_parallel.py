@@ -1,10 +1,10 @@
-"""Expert parallelism for mixture-of-experts layers (found by their interface, components/moe_layer.py: the
+"""Expert parallelism for mixture-of-experts layers (found by their interface, components/model/moe_layer.py: the
 layers of models/moe.py or of a fork's copy), and how they are sharded under tensor parallelism and FSDP.
 
 Each of the ep ranks holds num_experts / ep experts (their weights DTensors sharded on the expert
 dimension, so checkpoints hold every expert once and load at another ep degree). A token goes to the
 rank of each expert it chose and comes back by two all-to-alls; their autograd sends the gradients
-the same way back. The ep ranks are data-parallel ranks (components/distributed.py): every rank
+the same way back. The ep ranks are data-parallel ranks (components/distributed/mesh.py): every rank
 still routes its own tokens.
 
 Under tensor parallelism an MoE layer is not split: each tensor-parallel rank routes the tokens of
@@ -27,8 +27,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from components.distributed import ParallelDims
-from components.moe_layer import moe_layers
+from components.distributed.mesh import ParallelDims
+from components.model.moe_layer import moe_layers
 from parallelisms.fsdp import offload_policy, resharding
 
 

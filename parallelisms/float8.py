@@ -98,7 +98,7 @@ def precompute_float8_scales(model: nn.Module) -> None:
 
 class Float8ScalePrecompute:
     """precompute_float8_scales after every optimizer step, as a feature of the training loop
-    (components/in_loop.py): float8.precompute_float8_dynamic_scale_for_fsdp."""
+    (components/training/loop_features.py): float8.precompute_float8_dynamic_scale_for_fsdp."""
 
     def __init__(self, model_parts: list[nn.Module]):
         self.model_parts = model_parts

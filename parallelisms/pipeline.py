@@ -8,7 +8,7 @@ InterleavedZeroBubble) place stage s on rank s % pp, V-shaped ones (ZBVZeroBubbl
 down the ranks and back up, so that rank 0 holds both the first and the last stage.
 
 Which modules go into which stage: `split_for_pipeline` serves every model that follows the model contract
-(components/model_contract.py: the modules its `pipeline_ends` names before the blocks go into the first stage, those
+(components/model/contract.py: the modules its `pipeline_ends` names before the blocks go into the first stage, those
 after them into the last, its `transformer_blocks()` are split between the stages, and a stage sets what it does not
 hold to None); a family with another structure exports its own split_for_pipeline, which `family_split` then picks.
 """
@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.config import Config, ConfigError
-from components.model_contract import DecoderModel, blocks_name
-from components.moe_layer import moe_layers
+from components.model.contract import DecoderModel, blocks_name
+from components.model.moe_layer import moe_layers
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import schedules
@@ -322,7 +322,7 @@ class ForgetFirstRouting:
     """A forward hook on a stage's modules for a training step that starts with shape inference: torch runs each
     stage once on placeholder inputs (uninitialized memory past the first stage) to learn the shapes, and what the
     stage's mixture-of-experts layers routed then is forgotten rather than added to the step's routing tally
-    (components/routing.py), which moves their biases: it made runs under pipeline parallelism depend on what
+    (components/training/routing.py), which moves their biases: it made runs under pipeline parallelism depend on what
     the memory held. Only each module's first forward of the step is the placeholder one."""
 
     def __init__(self):

@@ -16,13 +16,13 @@ block's two key chunks), and a pair that holds no key any of its queries sees, i
 (`ring_documents` says which): with documents shorter than the sequence most are. A query with no key of its
 document in a pair takes nothing from it (its log-sum-exp there is -inf).
 
-Under a sliding window a layer declares (components/attention.py's AttentionMask), the blocks go by chunk pairs
+Under a sliding window a layer declares (components/model/attention.py's AttentionMask), the blocks go by chunk pairs
 too: a pair whose keys are all out of the window of its queries is skipped, one the window cuts is attended under
 a bias (also within documents), the others as above, so the work falls with the window. Attention sinks keep every
 causal pair (the first keys are seen from everywhere), and a mask_mod puts a bias on every pair, which it may
 leave without a key for some queries: those take nothing from it, as above.
 
-Learned sink logits (gpt-oss, components/attention.py's `with_sink_logits`) apply once the blocks are merged: the
+Learned sink logits (gpt-oss, components/model/attention.py's `with_sink_logits`) apply once the blocks are merged: the
 output is scaled by sigmoid(lse - sink) and the sink joins the log-sum-exp. The kernels' backward, given that output
 and log-sum-exp, computes the probabilities with the sink's share taken out, which is the whole gradient of q, k and
 v; the sink's own is -sum(p_sink * rowsum(grad_out * out)) over the queries.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.attention import CAUSAL, AttentionMask, visible_keys, with_sink_logits
+from components.model.attention import CAUSAL, AttentionMask, visible_keys, with_sink_logits
 from parallelisms.context_parallel_documents import chunk_in_window
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""The token mixers a model declares besides attention (components/token_mixing.py: causal convolutions and
+"""The token mixers a model declares besides attention (components/model/token_mixing.py: causal convolutions and
 recurrent layers) under the layouts that split the sequence.
 
 Context parallelism (`carry_over_context`): each rank holds its share of every sequence (zigzag chunks, or chunks
@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
 
 from components.config import ConfigError
-from components.token_mixing import convolution_layers, recurrent_layers
+from components.model.token_mixing import convolution_layers, recurrent_layers
 from parallelisms.context_parallel_documents import ChunkFacts, chunk_facts, share_positions, take
 from parallelisms.sequence_shares import heads_for_sequence, rank_order, sequence_for_heads
 

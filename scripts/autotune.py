@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from components.batch import BatchPlan, batch_plan
 from components.config import REPO_ROOT, Config, ConfigError, Training, load_config
-from components.distributed import ParallelDims
-from components.metrics import read_metrics
+from components.data.batch_plan import BatchPlan, batch_plan
+from components.distributed.mesh import ParallelDims
+from components.metrics.reporting import read_metrics
+from models.families import model_config_class
 from scripts.ac_modes import ac_flags
 from scripts.memory_estimate import cpu_baseline_bytes, estimate
 
@@ -417,7 +418,7 @@ def predict_main(opts: argparse.Namespace, base_args: list[str], world_size: int
 def main(argv: list[str] | None = None) -> int:
     opts, base_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        config = load_config(base_args)
+        config = load_config(base_args, model_config_class)
         target = "cuda" if torch.cuda.is_available() else "cpu"
         # Measured now, before anything is built: this process is then what a trainer is before training.
         baseline = cpu_baseline_bytes(config) if target == "cpu" else None
@@ -431,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def estimate_fn(c: Candidate) -> float:
         try:
-            return estimate(load_config(base_args + c.overrides()), world_size, target, baseline).total_gib
+            config = load_config(base_args + c.overrides(), model_config_class)
+            return estimate(config, world_size, target, baseline).total_gib
         except (ConfigError, ValueError) as e:
             print(f"  {c.name}: no estimate ({e})")
             return float("inf")

@@ -19,12 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from components.checkpoint import is_hf_folder, mismatch, one_process, saved_entries
-from components.checkpoint_integrity import check_checkpoint
+from components.checkpoint.dcp import is_hf_folder, mismatch, one_process, saved_entries
+from components.checkpoint.integrity import check_checkpoint
 from components.config import Config, ConfigError, load_config
-from components.hf import check_hf_config, load_hf_model, model_name_of, read_hf_config
-from components.model_package import import_model_package
-from components.tokenizer import Tokenizer, build_tokenizer
+from components.data.tokenizer import Tokenizer, build_tokenizer
+from components.hf.load import check_hf_config, read_hf_config
+from models.families import check_family_reads, import_model_package, load_hf_model, model_config_class, model_name_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def run_config(checkpoint: Path, overrides: list[str]) -> Config:
     """The config of the run that wrote a DCP checkpoint: <dump>/config.toml with the overrides, or
     the overrides alone when they name a --job.config_file."""
     path = checkpoint.parent.parent / RUN_CONFIG
-    config = load_config([*(["--job.config_file", str(path)] if path.is_file() else []), *overrides])
+    config_file = ["--job.config_file", str(path)] if path.is_file() else []
+    config = load_config([*config_file, *overrides], model_config_class)
     if not config.job.config_file:
         raise ConfigError(f"no {RUN_CONFIG} at {path} to say which model {checkpoint} holds: pass the config "
                           "of the run that wrote it with --job.config_file")
@@ -78,7 +79,7 @@ def _from_dcp(checkpoint: Path, overrides: list[str], device: torch.device) -> t
         model = package.Transformer(package.build_model_args(config, tokenizer.vocab_size))
     model.to_empty(device=device)
     model.init_weights()  # fills the buffers (RoPE); every weight is then overwritten
-    # A plain module's state dict has the names train.py saves (components.checkpoint.ModelState) and
+    # A plain module's state dict has the names train.py saves (components.checkpoint.dcp.ModelState) and
     # holds the parameters themselves, which DCP fills in place, casting from the stored dtype.
     weights = model.state_dict()
     problem = mismatch(saved_entries(checkpoint), weights, set(weights))
@@ -94,7 +95,7 @@ def _from_hf(folder: Path, overrides: list[str]) -> tuple[nn.Module, Config, Tok
     """An HF folder's model. Without a --job.config_file the config is the defaults with the folder's
     model family and, unless --model.tokenizer_path names one, its tokenizer; with one, the config
     must describe the folder's model."""
-    config = load_config(overrides)
+    config = load_config(overrides, model_config_class)
     hf = read_hf_config(folder)
     if not config.job.config_file:
         config.model.name = model_name_of(folder)
@@ -103,6 +104,7 @@ def _from_hf(folder: Path, overrides: list[str]) -> tuple[nn.Module, Config, Tok
     tokenizer = build_tokenizer(config.model.tokenizer_path)
     package = import_model_package(config.model.name)
     if config.job.config_file:
+        check_family_reads(config.model.name, hf, folder)
         check_hf_config(package, package.build_model_args(config, tokenizer.vocab_size), hf, folder)
     config.training.seq_len = min(config.training.seq_len, package.model_args_from_hf(hf).max_seq_len)
     return load_hf_model(folder, config.model.name), config, tokenizer

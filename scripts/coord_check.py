@@ -7,7 +7,7 @@ the hidden and output weights' updates feed grow with it, the logits most.
 
 The models are built directly (no train.py): the width grows by heads of a fixed size (the debug
 model's 16), so that the attention scale 1/sqrt(head_dim) is the same at every width, and the
-optimizers are components/optim.py's, so that what is checked is the param groups a run uses.
+optimizers are components/training/optimizers.py's, so that what is checked is the param groups a run uses.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from components.config import REPO_ROOT, Optimizer as OptimizerConfig
-from components.optim import Optimizers
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
+from components.training.optimizers import Optimizers
 from models.llama3.model import ModelArgs, Transformer
 
 CORPUS = REPO_ROOT / "tests/assets/shakespeare/train.jsonl"

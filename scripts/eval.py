@@ -23,8 +23,8 @@ import torch.distributed as dist
 from components.config import ConfigError
 from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
-from components.exit_codes import exit_process
-from components.loss import sequence_loglikelihoods
+from components.run.exit_codes import exit_process
+from components.training.loss import sequence_loglikelihoods
 from scripts.checkpoint_model import model_from_checkpoint
 
 

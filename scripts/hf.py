@@ -7,7 +7,7 @@
 Any other `--section.key value` is a config override, as for train.py: the config must describe the
 model of the checkpoint. docs/hf.md explains both directions.
 
-The export itself is components/hf_export.py, which training runs use too (checkpoint.last_save_in_hf).
+The export itself is components/hf/export.py, which training runs use too (checkpoint.last_save_in_hf).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from components.checkpoint import one_process
+from components.checkpoint.dcp import one_process
 from components.config import DTYPES, Config, ConfigError, load_config
-from components.hf import check_hf_config, read_hf_config, read_hf_weights
-from components.hf_export import export, model_and_args
+from components.hf.export import export, model_and_args
+from components.hf.load import check_hf_config, read_hf_config, read_hf_weights
+from models.families import check_family_reads, import_model_package, model_config_class
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,11 @@ logger = logging.getLogger(__name__)
 def import_hf(config: Config, hf: Path, output: Path) -> None:
     """Write the weights of an HF folder as a model-only DCP checkpoint, for
     --checkpoint.initial_load_path (kept in the dtype of the HF files; loading casts them)."""
-    package, args, _ = model_and_args(config)
-    check_hf_config(package, args, read_hf_config(hf), hf)
+    package = import_model_package(config.model.name)
+    args, _ = model_and_args(config, package)
+    hf_config = read_hf_config(hf)
+    check_family_reads(config.model.name, hf_config, hf)
+    check_hf_config(package, args, hf_config, hf)
     weights = package.from_hf(read_hf_weights(hf), args)
     with torch.device("meta"):
         expected = package.Transformer(args).state_dict()
@@ -69,7 +73,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     import_parser.add_argument("--hf", type=Path, required=True, help="the HF folder (config.json, *.safetensors)")
     import_parser.add_argument("--output", type=Path, required=True, help="the DCP checkpoint folder to write")
     options, rest = parser.parse_known_args(argv)
-    return options, load_config(rest)
+    return options, load_config(rest, model_config_class)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options, config = parse_args(sys.argv[1:] if argv is None else argv)
         if options.command == "export":
-            export(config, options.checkpoint, options.output, options.dtype, options.max_shard_gb)
+            package = import_model_package(config.model.name)
+            export(config, package, options.checkpoint, options.output, options.dtype, options.max_shard_gb)
         else:
             import_hf(config, options.hf, options.output)
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as e:

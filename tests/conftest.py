@@ -81,7 +81,7 @@ def build_model(args, seed: int = 0):
 
 def metric_lines(dump: Path) -> list[dict]:
     """Every record of a run's metrics.jsonl as written, repeats included (tests check what was
-    written; components.metrics.read_metrics is the reader that keeps one record per step)."""
+    written; components.metrics.reporting.read_metrics is the reader that keeps one record per step)."""
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -130,7 +130,7 @@ RENAMES = {  # file of a family: (its text, the fork's); HF's own names (model.l
 
 def fork_with_renamed_modules(root: Path, family: str = "llama3", name: str = "renamed") -> Path:
     """models/<family> copied to `root`/models/<name>, its imports pointed at the copy, with `blocks` for `layers`
-    and `embed` for `tok_embeddings` (declared through the model contract, components/model_contract.py, as its
+    and `embed` for `tok_embeddings` (declared through the model contract, components/model/contract.py, as its
     `transformer_blocks()` and `pipeline_ends`), in its Hugging Face mapping and tensor-parallel plan too."""
     fork = root / "models" / name
     shutil.copytree(REPO / "models" / family, fork, ignore=shutil.ignore_patterns("__pycache__"))
@@ -158,7 +158,7 @@ def initial_weights(dump: Path) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from components.checkpoint import one_process, saved_entries
+    from components.checkpoint.dcp import one_process, saved_entries
 
     step = dump / "checkpoint" / "step-1"
     names = {n.removeprefix("model."): e.size for n, e in saved_entries(step).items() if n.startswith("model.")}

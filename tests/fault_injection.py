@@ -66,10 +66,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from components import checkpoint_integrity  # noqa: E402
-from components.checkpoint import CheckpointManager  # noqa: E402
-from components.exit_codes import exit_process  # noqa: E402
-from components.optim import Optimizers  # noqa: E402
+from components.checkpoint import integrity as checkpoint_integrity  # noqa: E402
+from components.checkpoint.dcp import CheckpointManager  # noqa: E402
+from components.run.exit_codes import exit_process  # noqa: E402
+from components.training.optimizers import Optimizers  # noqa: E402
 
 
 def kill_tree(root: int, spare: int | None = None) -> None:

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from components.config import load_config
-from components.metrics import read_metrics
+from components.metrics.reporting import read_metrics
+from models.families import model_config_class
 from scripts import autotune as at
 
 MODES = ["none", "op", "full"]
@@ -37,7 +38,7 @@ class FakeRunner:
 
 
 def test_candidates_cover_the_space_and_pin_the_global_batch():
-    config = load_config(["--job.config_file", "debug_model.toml"])
+    config = load_config(["--job.config_file", "debug_model.toml"], model_config_class)
     opts, rest = at.parse_args(["--memory-budget-gib", "2", "--job.config_file", "debug_model.toml",
                                 "--training.seq_len", "128"])
     assert rest == ["--job.config_file", "debug_model.toml", "--training.seq_len", "128"]
@@ -61,7 +62,8 @@ def test_candidates_cover_the_space_and_pin_the_global_batch():
     s2 = space(batches=(1, 2, 4, 8, 16), global_batch=16, dp=2)
     assert [s2.candidate(b, "none", False, False).global_batch for b in (1, 2, 4, 8, 16)] == [16, 16, 16, 16, -1]
     # The candidate's overrides are valid config keys and load.
-    assert load_config(["--job.config_file", "debug_model.toml", *b16.overrides()]).training.local_batch_size == 16
+    b16_config = load_config(["--job.config_file", "debug_model.toml", *b16.overrides()], model_config_class)
+    assert b16_config.training.local_batch_size == 16
     with pytest.raises(Exception):
         at._parse_modes("none,sometimes")
 

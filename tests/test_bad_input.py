@@ -12,8 +12,9 @@ from conftest import REPO, TINY
 from components.config import ConfigError, Parallelism, load_config
 from components.data.loaders import build_validation_dataloader
 from components.data.packed import build_packed_dataloader
-from components.distributed import ParallelDims
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
+from components.distributed.mesh import ParallelDims
+from models.families import model_config_class
 from scripts.preprocess import main as preprocess
 
 TOKENIZERS = REPO / "tests" / "assets" / "tokenizers"
@@ -57,13 +58,13 @@ def test_invalid_toml_names_file_line_and_column(tmp_path):
 def test_config_file_that_is_not_text(tmp_path):
     (tmp_path / "binary.toml").write_bytes(b"[training]\nsteps = \xff\n")
     with pytest.raises(ConfigError, match=r"binary.toml: not a UTF-8 text file \(byte 19\)$"):
-        load_config(["--job.config_file", str(tmp_path / "binary.toml")])
+        load_config(["--job.config_file", str(tmp_path / "binary.toml")], model_config_class)
 
 
 def test_top_level_key_outside_a_section(tmp_path):
     (tmp_path / "flat.toml").write_text("steps = 3\n")
     with pytest.raises(ConfigError, match=r"flat.toml: top-level key 'steps' must be a \[section\]$"):
-        load_config(["--job.config_file", str(tmp_path / "flat.toml")])
+        load_config(["--job.config_file", str(tmp_path / "flat.toml")], model_config_class)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -131,7 +132,7 @@ def test_missing_folder_in_a_blend(packed, tmp_path):
 
 
 def test_missing_hf_files(tmp_path):
-    config = load_config(["--validation.dataset_path", str(tmp_path / "val.jsonl")])
+    config = load_config(["--validation.dataset_path", str(tmp_path / "val.jsonl")], model_config_class)
     with pytest.raises(FileNotFoundError) as error:
         build_validation_dataloader(config, tokenizer=None, dp_rank=0, dp_size=1, path=str(tmp_path / "val.jsonl"))
     assert str(error.value) == (f"validation.dataset_path: no data files at '{tmp_path / 'val.jsonl'}' "
@@ -201,5 +202,5 @@ def test_an_unreadable_config_file_is_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(type(config), "read_text", refuse)
     with pytest.raises(ConfigError) as error:
-        load_config(["--job.config_file", str(config)])
+        load_config(["--job.config_file", str(config)], model_config_class)
     assert str(error.value) == f"{config}: cannot be read (Permission denied)"

@@ -12,6 +12,7 @@ import torch
 from conftest import REPO
 
 from components.config import load_config
+from models.families import model_config_class
 from scripts.benchmark.cases import PRESETS
 from scripts.benchmark.torchtitan_run import parse_log, settings
 
@@ -116,7 +117,7 @@ def test_a_trace_summary_names_the_busy_time_the_gaps_and_the_kernels_by_kind():
 def test_every_case_of_every_preset_is_a_valid_config(preset):
     """The cpu and h100 presets are too long for CI: their flags are checked to load instead."""
     for case in PRESETS[preset].cases:
-        load_config(list(case.flags))
+        load_config(list(case.flags), model_config_class)
 
 
 @pytest.mark.slow
@@ -136,13 +137,15 @@ def test_refusals_without_a_run():
 
 def test_torchtitan_settings_follow_the_resolved_config(tmp_path):
     flags = {case.name: list(case.flags) for case in PRESETS["cpu"].cases}
-    mapped = settings(load_config(flags["debug AC op"]), tmp_path / "tok", tmp_path / "dump")
+    mapped = settings(load_config(flags["debug AC op"], model_config_class), tmp_path / "tok", tmp_path / "dump")
     assert (mapped["dim"], mapped["n_layers"], mapped["n_heads"], mapped["n_kv_heads"]) == (256, 6, 16, 4)
     assert (mapped["vocab_size"], mapped["seq_len"], mapped["local_batch_size"]) == (4096, 256, 4)
     assert (mapped["ac"], mapped["compile"], mapped["float8"]) == ("op", False, None)
     assert mapped["data_files"][0].endswith("tests/assets/shakespeare/train.jsonl")
-    assert settings(load_config(flags["debug AC selective 2"]), tmp_path, tmp_path).startswith("no counterpart")
-    tensorwise = load_config(flags["debug default"] + ["--float8.enable", "true", "--float8.recipe_name", "tensorwise"])
+    selective = load_config(flags["debug AC selective 2"], model_config_class)
+    assert settings(selective, tmp_path, tmp_path).startswith("no counterpart")
+    tensorwise = load_config(flags["debug default"] + ["--float8.enable", "true", "--float8.recipe_name", "tensorwise"],
+                             model_config_class)
     assert "rowwise" in settings(tensorwise, tmp_path, tmp_path)
 
 

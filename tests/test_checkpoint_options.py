@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, metric_lines
 
-from components.hf import load_hf_model
+from models.families import load_hf_model
 from scripts.checkpoint_model import model_from_checkpoint
 
 ARGS = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.log_freq", "1"]

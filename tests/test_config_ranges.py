@@ -9,10 +9,10 @@ import torch
 from conftest import TINY
 
 from components.config import ConfigError, all_keys, all_ranges, field_types, load_config
-from components.config.reference import families
-from components.metrics import slow_step_warning
+from components.metrics.reporting import slow_step_warning
+from models.families import model_config_class, model_package_names
 
-CONFIGS = {family: load_config(["--model.name", family]) for family in families()}
+CONFIGS = {family: load_config(["--model.name", family], model_config_class) for family in model_package_names()}
 """Every family's defaults: the [model] keys, and so their ranges, are the family's own."""
 
 
@@ -61,7 +61,7 @@ def test_each_numeric_key_refuses_values_out_of_its_range(key, family):
     assert values, key
     for value in values:
         with pytest.raises(ConfigError) as error:
-            load_config(["--model.name", family, f"--{key}", str(value)])
+            load_config(["--model.name", family, f"--{key}", str(value)], model_config_class)
         message = str(error.value)
         assert message.startswith(f"{key} must be ") and message.endswith(f", got {value!r}"), message
         assert all_ranges(CONFIGS[family])[key].describe() in message and "\n" not in message

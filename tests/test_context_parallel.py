@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask
 
 import components.data.documents
-from components import attention
-from components.attention import causal_attention, document_mask
 from components.config import ConfigError
+from components.model import attention
+from components.model.attention import causal_attention, document_mask
 from models import llama3
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.activation_checkpoint import apply_activation_checkpointing

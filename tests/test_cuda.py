@@ -29,8 +29,8 @@ from conftest import REPO, initial_weights, torchrun
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import document_mask, masked_attention
-from components.metrics import GPU_PEAK_TFLOPS, read_metrics
+from components.metrics.reporting import GPU_PEAK_TFLOPS, read_metrics
+from components.model.attention import document_mask, masked_attention
 from parallelisms.float8 import convert_to_float8, float8_supported
 
 pytestmark = pytest.mark.cuda
@@ -105,7 +105,7 @@ def skip_without_float8() -> None:
 
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_heads):
-    """components/attention.py on CUDA: the compiled FlexAttention kernel under a BlockMask (bf16) against
+    """components/model/attention.py on CUDA: the compiled FlexAttention kernel under a BlockMask (bf16) against
     SDPA under the dense boolean mask (fp32, from the same bf16 inputs): output and gradients of q, k, v."""
     lengths = [[100, 30, 126], [1, 200, 55], [256]]  # several documents per row, one of a single token
     ids = torch.stack([torch.arange(len(row)).repeat_interleave(torch.tensor(row)) for row in lengths]).cuda()
@@ -145,7 +145,7 @@ def test_flex_attention_under_a_declared_mask_matches_the_dense_mask_forward_and
     """A declared sliding window, with attention sinks, or a mask_mod on CUDA, with and without learned sink logits
     (gpt-oss's, through FlexAttention's log-sum-exp): the FlexAttention kernel (bf16), with and without documents,
     against the dense boolean mask of the same declaration (fp32): output and gradients of q, k, v (and the sinks)."""
-    from components.attention import AttentionMask, causal_attention, visible_keys
+    from components.model.attention import AttentionMask, causal_attention, visible_keys
 
     spec, seq = AttentionMask(**declared), 512
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -263,16 +263,16 @@ def test_float8_linear_real_matmuls_match_torchao_emulation_forward_and_backward
 
 
 def test_nccl_flight_recorder_keeps_the_configured_number_of_collectives(tmp_path):
-    """components/distributed.py sets the NCCL flight recorder's buffer from comm.trace_buf_size before
+    """components/distributed/mesh.py sets the NCCL flight recorder's buffer from comm.trace_buf_size before
     NCCL starts: after 10 all-reduces a buffer of 4 holds the last 4 (torch's default would hold all), and the hang
-    report reads the last one (components/heartbeat.py)."""
+    report reads the last one (components/run/heartbeat.py)."""
     script = """
 import json, os, pickle, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from components.config import Comm
-from components.distributed import init_distributed
-from components.heartbeat import last_collectives
+from components.distributed.mesh import init_distributed
+from components.run.heartbeat import last_collectives
 
 init_distributed(Comm(trace_buf_size=4), Path(sys.argv[1]))
 x = torch.ones(8, device="cuda")
@@ -303,7 +303,7 @@ dist.destroy_process_group()
 
 def test_bf16_fsdp_on_one_gpu_trains_with_falling_loss_and_reports_memory_and_mfu(run):
     """The reference run of this lane: bf16 through FSDP's mixed precision on one GPU. Its metrics carry
-    the GPU's peak memory and, on a GPU of components/metrics.py's table, an MFU in percent."""
+    the GPU's peak memory and, on a GPU of components/metrics/reporting.py's table, an MFU in percent."""
     records = run()
     assert_trains(records)
     assert all(r["memory_gib"] > 0 for r in records)
@@ -384,7 +384,7 @@ def test_async_checkpoint_with_pinned_memory_resumes_bitwise(tmp_path, monkeypat
 
 
 def test_profiler_writes_chrome_traces_with_cuda_kernels_and_memory_snapshots(tmp_path):
-    """components/profiling.py: every profile_freq steps, rank0_trace.json with GPU kernel events and
+    """components/metrics/profiling.py: every profile_freq steps, rank0_trace.json with GPU kernel events and
     rank0_memory_snapshot.pickle from the CUDA caching allocator, in profile_traces/step-N."""
     train(tmp_path, "--training.steps", "6", "--profiling.enable_profiling", "true", "--profiling.profile_freq", "3",
           "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
@@ -426,7 +426,7 @@ def test_async_tensor_parallel_matches_plain_tensor_parallel_on_two_gpus(tmp_pat
 
 def test_compiled_tensor_parallel_with_full_checkpointing_matches_eager_on_two_gpus(tmp_path):
     """TP 2 with compiled blocks recomputed in full in backward gives eager TP 2's losses up to bf16 rounding.
-    CPU refuses this combination (components/layout_checks.py): there torch's compiler saves the generator
+    CPU refuses this combination (components/model/layout_checks.py): there torch's compiler saves the generator
     state of the recomputed attention among the saved tensors; on CUDA it passes it as a graph input."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallelism needs 2 GPUs; this machine has {torch.cuda.device_count()}")

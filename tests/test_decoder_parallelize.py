@@ -10,8 +10,9 @@ import torch.distributed as dist
 from conftest import on_ranks
 
 from components.config import load_config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
 from models import deepseek_v3, llama3, qwen3
+from models.families import model_config_class
 
 FAMILIES = {"debug_model": llama3, "debug_qwen3": qwen3, "debug_deepseek_v3": deepseek_v3}
 
@@ -21,7 +22,7 @@ def check_tied_after_tensor_parallelism(rank: int, store: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     for config_file, family in FAMILIES.items():
         config = load_config(["--job.config_file", f"{config_file}.toml", "--parallelism.tensor_parallel_degree", "2",
-                              "--parallelism.data_parallel_shard_degree", "1"])
+                              "--parallelism.data_parallel_shard_degree", "1"], model_config_class)
         dims = ParallelDims.from_config(config.parallelism, 2)
         args = replace(copy.deepcopy(family.build_model_args(config, 2048)), tie_embeddings=True)
         with torch.device("meta"):

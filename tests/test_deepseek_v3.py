@@ -24,9 +24,10 @@ from test_qwen3 import (
 )
 
 import models.deepseek_v3 as deepseek_v3
-from components.checkpoint import ModelState
+from components.checkpoint.dcp import ModelState
 from components.config import load_config
-from components.hf import load_hf_model, read_hf_weights
+from components.hf.load import read_hf_weights
+from models.families import load_hf_model, model_config_class
 from scripts import hf as converter
 
 VOCAB = 4096  # the shipped tokenizer's
@@ -221,7 +222,7 @@ def test_deepseek_v3_layout_matches_one_process(name, references, layout_runs):
     """Losses to 1e-5, the same token ids, gradient norms, and the routing tally's figures (its biases moved by
     the counts of all ranks). The auxiliary loss, logged though its weight is 0 here, measures balance over what
     each rank's experts see: part of each sequence under tensor or context parallelism, where training with it is
-    refused (components/layout_checks.py)."""
+    refused (components/model/layout_checks.py)."""
     dump, problem = layout_runs[name]
     assert not problem, problem
     got, expected = step_figures(dump), step_figures(references[LAYOUTS[name][1]])
@@ -243,7 +244,7 @@ def test_float8_converts_the_head_projections_and_keeps_the_latent_ones_and_the_
     from models.deepseek_v3.parallelize import KEPT_IN_HIGH_PRECISION
     from parallelisms.float8 import convert_to_float8
 
-    config = load_config([*SMALL, "--float8.enable", "true"])
+    config = load_config([*SMALL, "--float8.enable", "true"], model_config_class)
     with torch.device("meta"):
         model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, VOCAB))
     convert_to_float8(model, "tensorwise", [*config.float8.filter_fqns, *KEPT_IN_HIGH_PRECISION], torch.device("cpu"))
@@ -256,10 +257,10 @@ def test_float8_converts_the_head_projections_and_keeps_the_latent_ones_and_the_
 
 def check_layout(argv: list[str]) -> None:
     """The start-up check of the model of `argv` (built on the meta device) for its layout on 2 ranks."""
-    from components.distributed import ParallelDims
-    from components.layout_checks import check_model_supported
+    from components.distributed.mesh import ParallelDims
+    from components.model.layout_checks import check_model_supported
 
-    config = load_config(argv)
+    config = load_config(argv, model_config_class)
     with torch.device("meta"):
         model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, VOCAB))
     check_model_supported(config, ParallelDims.from_config(config.parallelism, 2), model)
@@ -298,7 +299,7 @@ def test_each_multi_token_depth_reads_the_tokens_up_to_k_ahead_and_the_rolled_ta
 def test_the_multi_token_loss_trains_the_depths_and_keeps_the_logged_loss_the_next_token_s():
     """Its value is the next-token cross-entropy bit for bit; its gradient that of cross-entropy + weight x the mean
     of the depths' cross-entropies on the positions that have a label; step_mean gives that mean, once."""
-    from components.loss import MultiTokenLogits, MultiTokenLoss, cross_entropy_loss
+    from components.training.loss import MultiTokenLogits, MultiTokenLoss, cross_entropy_loss
 
     torch.manual_seed(0)
     logits, *depths = (torch.randn(2, 8, 11, requires_grad=True) for _ in range(3))
@@ -336,7 +337,7 @@ def test_multi_token_prediction_is_refused_with_pipeline_and_context_parallelism
 
 
 def test_the_routing_tally_moves_the_biases_of_the_depths_experts_too():
-    from components.routing import RoutingTally
+    from components.training.routing import RoutingTally
 
     model = ingot_model([*SMALL, *MTP]).train()
     tally = RoutingTally([model], model.args.n_layers, micro_batches_per_step=1)
@@ -352,7 +353,7 @@ def test_the_depths_export_under_the_layers_after_the_model_s_and_round_trip(tmp
     copies of the embedding and output layer; transformers loads the export (without running them) to the same
     logits; read back into a model with the depths, the weights are the same, a model without them skips them, and
     one with more depths than the files hold is refused at load in one line."""
-    from components.hf_export import save_safetensors
+    from components.hf.export import save_safetensors
 
     model = ingot_model([*SMALL, *MTP])
     torch.manual_seed(1)
@@ -366,7 +367,7 @@ def test_the_depths_export_under_the_layers_after_the_model_s_and_round_trip(tmp
                                                          "mlp.gate.e_score_correction_bias")} <= hf.keys()
     back = deepseek_v3.from_hf(hf, model.args)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-    without = deepseek_v3.from_hf(hf, deepseek_v3.build_model_args(load_config(SMALL), VOCAB))
+    without = deepseek_v3.from_hf(hf, deepseek_v3.build_model_args(load_config(SMALL, model_config_class), VOCAB))
     assert not any(k.startswith("mtp.") for k in without) and without.keys() < state.keys()
 
     config = deepseek_v3.hf_config(model.args, bos_id=1, eos_id=2)
@@ -377,7 +378,7 @@ def test_the_depths_export_under_the_layers_after_the_model_s_and_round_trip(tmp
         assert report("ingot DeepSeek-V3 with MTP -> HF", model.eval()(token_ids()),
                       transformers_logits(tmp_path, token_ids())) < 1e-5
     from components.config import ConfigError
-    from components.hf import load_hf_weights
+    from components.hf.load import load_hf_weights
 
     deeper = ingot_model([*SMALL, "--model.num_mtp_layers", "3"])  # its third depth is not in the files
     with pytest.raises(ConfigError, match=rf"^the Hugging Face model in {tmp_path} lacks \d+ weight\(s\) of this "

@@ -1,11 +1,11 @@
-"""DiLoCo's outer step (components/diloco.py) on one process: what replica groups under
+"""DiLoCo's outer step (components/distributed/diloco.py) on one process: what replica groups under
 fault_tolerance.semi_sync_method diloco do at each synchronisation (tests/test_fault_tolerance.py runs them)."""
 
 import torch
 from torch import nn
 
 from components.config import FaultTolerance
-from components.diloco import OuterStep
+from components.distributed.diloco import OuterStep
 
 
 def test_the_outer_step_is_torch_s_nesterov_sgd_on_the_pseudo_gradient_from_the_interval_s_start():

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from conftest import TINY, build_model, losses, tiny_model_args
 from torch.nn.attention.flex_attention import BlockMask
 
-import components.attention as attention
+import components.model.attention as attention
 import models.llama3.model as llama
-from components.attention import apply_rope
 from components.data.documents import document_ids, document_positions
+from components.model.attention import apply_rope
+from models.families import model_config_class
 from models.llama3.model import ModelArgs
 
 BOS, EOS, VOCAB = 1, 2, 128
@@ -184,11 +185,11 @@ def test_every_forward_goes_through_the_swappable_sdpa_with_the_document_mask_wh
 
 def test_ring_is_refused_with_compiled_checkpoints_and_document_masking_is_taken_by_every_layout():
     from components.config import ConfigError, load_config
-    from components.distributed import ParallelDims
-    from components.layout_checks import check_supported
+    from components.distributed.mesh import ParallelDims
+    from components.model.layout_checks import check_supported
 
     def refusal(*overrides: str) -> str:
-        config = load_config(["--training.document_masking", "true", *overrides])
+        config = load_config(["--training.document_masking", "true", *overrides], model_config_class)
         with pytest.raises(ConfigError) as refused:
             check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
         return str(refused.value)
@@ -200,7 +201,7 @@ def test_ring_is_refused_with_compiled_checkpoints_and_document_masking_is_taken
     for layout in (["--parallelism.context_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"],
                    ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "alltoall"],
                    ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring"]):
-        config = load_config(["--training.document_masking", "true", *layout])
+        config = load_config(["--training.document_masking", "true", *layout], model_config_class)
         check_supported(config, ParallelDims.from_config(config.parallelism, 2), torch.device("cpu"))
 
 

@@ -13,6 +13,7 @@ import torch
 from conftest import REPO, TINY, build_model, metric_lines, tiny_model_args, torchrun_runs, train_main
 
 from components.config import load_config
+from components.data.tokenizer import build_tokenizer
 from components.evaluation.scoring import (
     IGNORE,
     Request,
@@ -24,8 +25,8 @@ from components.evaluation.scoring import (
     split_like_lm_eval,
 )
 from components.evaluation.tasks import Example, Task, read_task
-from components.loss import sequence_loglikelihoods
-from components.tokenizer import build_tokenizer
+from components.training.loss import sequence_loglikelihoods
+from models.families import model_config_class
 
 TASK = REPO / "tests/assets/tasks/shakespeare_next_line.jsonl"
 TOKENIZER = REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model"
@@ -99,7 +100,7 @@ def test_each_loglikelihood_equals_the_model_on_that_request_alone():
 
 
 def test_the_debug_config_lists_the_shipped_task():
-    config = load_config(["--job.config_file", "debug_model.toml"])
+    config = load_config(["--job.config_file", "debug_model.toml"], model_config_class)
     assert config.evaluation.tasks == ["tests/assets/tasks/shakespeare_word_order.jsonl",
                                        "tests/assets/tasks/shakespeare_next_line.jsonl"]
     assert not config.evaluation.enable

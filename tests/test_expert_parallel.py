@@ -111,7 +111,7 @@ def test_export_of_a_checkpoint_saved_under_expert_parallelism_equals_one_proces
     """A seed checkpoint (one process) and the checkpoint four ep ranks save from it after a step at lr 0
     (weights unchanged) export to the same Hugging Face tensors."""
     import train
-    from components.hf import read_hf_weights
+    from components.hf.load import read_hf_weights
     from scripts import hf as converter
 
     small = [*BASE, "--moe.bias_update_speed", "0"]

@@ -1,7 +1,7 @@
-"""Replica groups on torchft (components/fault_tolerance.py), on CPU over gloo: a job of two groups, each its own
-./run_train.sh, joined by a torchft lighthouse. Without a fault they train as one data-parallel run; a group killed
-with SIGKILL at a random step leaves the other training, and relaunched it takes a live group's state (no checkpoint
-read) and from then on holds bitwise the weights of the other."""
+"""Replica groups on torchft (components/distributed/fault_tolerance.py), on CPU over gloo: a job of two groups, each
+its own ./run_train.sh, joined by a torchft lighthouse. Without a fault they train as one data-parallel run; a group
+killed with SIGKILL at a random step leaves the other training, and relaunched it takes a live group's state (no
+checkpoint read) and from then on holds bitwise the weights of the other."""
 
 import os
 import random
@@ -53,7 +53,7 @@ def start_group(group: int, nproc: int, dump: Path, lighthouse: str, log: Path, 
     command = ["./run_train.sh", *args]
     if pause:
         env |= {"INGOT_FAULT": f"slow-steps:{held_from}", "INGOT_PAUSE": str(pause)}
-        command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", str(nproc),
+        command = [sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", str(nproc),
                    "tests/fault_injection.py", *args]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -62,7 +62,7 @@ def final_weights(dump: Path, steps: int) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from components.checkpoint import one_process, saved_entries
+    from components.checkpoint.dcp import one_process, saved_entries
 
     step = dump / "checkpoint" / f"step-{steps}"
     names = {n.removeprefix("model."): e.size for n, e in saved_entries(step).items() if n.startswith("model.")}

@@ -24,9 +24,10 @@ from test_qwen3 import (
 )
 
 import models.gpt_oss as gpt_oss
-from components.attention import AttentionMask, causal_attention, document_mask
-from components.checkpoint import ModelState
-from components.hf import load_hf_model, read_hf_weights
+from components.checkpoint.dcp import ModelState
+from components.hf.load import read_hf_weights
+from components.model.attention import AttentionMask, causal_attention, document_mask
+from models.families import load_hf_model
 from scripts import hf as converter
 
 VOCAB = 4096  # the shipped tokenizer's

@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers")
 from conftest import REPO, TINY, build_model, losses, torchrun, torchrun_runs  # noqa: E402
 
 import models.llama3 as llama  # noqa: E402
-from components import hf_export  # noqa: E402
-from components.checkpoint import ModelState  # noqa: E402
+from components.checkpoint.dcp import ModelState  # noqa: E402
 from components.config import load_config  # noqa: E402
-from components.hf import load_hf_model, load_hf_weights, read_hf_weights  # noqa: E402
+from components.hf import export as hf_export  # noqa: E402
+from components.hf.load import load_hf_weights, read_hf_weights  # noqa: E402
+from models.families import load_hf_model, model_config_class  # noqa: E402
 from scripts import hf as converter  # noqa: E402
 
 VOCAB = 4096  # tests/assets/tokenizers/shakespeare_bpe_4k.model, which TINY uses
@@ -66,7 +67,7 @@ def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def ingot_model(argv: list[str], checkpoint: Path) -> torch.nn.Module:
     """The model of an ingot config with the weights of a DCP checkpoint."""
-    model = build_model(llama.build_model_args(load_config(argv), VOCAB))
+    model = build_model(llama.build_model_args(load_config(argv, model_config_class), VOCAB))
     with converter.one_process():
         dcp.load({"model": ModelState([model])}, checkpoint_id=str(checkpoint), no_dist=True)
     return model.eval()
@@ -153,7 +154,7 @@ def test_mismatched_config_names_the_field(tmp_path, capsys):
 def test_sharded_loader_casts_bf16_files_into_the_model(tmp_path):
     """load_hf_weights, as training runs it, here in one process on an HF folder stored in bf16."""
     source = hf_llama(tmp_path / "hf", dtype=torch.bfloat16)
-    args = llama.build_model_args(load_config(SMALL), VOCAB)
+    args = llama.build_model_args(load_config(SMALL, model_config_class), VOCAB)
     model = build_model(args)
     with converter.one_process():
         load_hf_weights(source, [model], llama, args)
@@ -212,7 +213,7 @@ def test_export_copies_the_tokenizer_when_transformers_can_load_it(tmp_path, cap
     (tmp_path / "mine.json").write_text("{}")
     hf_export.copy_tokenizer(tmp_path / "mine.json", tmp_path)
     assert (tmp_path / "tokenizer.json").read_text() == "{}"
-    caplog.set_level("INFO", logger="components.hf_export")
+    caplog.set_level("INFO", logger="components.hf.export")
     (tmp_path / "tiktoken").mkdir()
     hf_export.copy_tokenizer(assets / "gpt2.tiktoken", tmp_path / "tiktoken")
     assert not list((tmp_path / "tiktoken").iterdir()) and "no tokenizer written" in caplog.text

@@ -1,4 +1,4 @@
-"""run_train.sh (components/launch.py: torchrun, then the workers' status) exits with what its workers exited
+"""run_train.sh (components/run/launch.py: torchrun, then the workers' status) exits with what its workers exited
 with, and shows a failure once: a config error's line, a step-guard stop, a preemption, a crash's traceback."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY
 
-from components.launch import worst_status
+from components.run.launch import worst_status
 
 RUN = [*TINY, "--metrics.log_freq", "1", "--training.dataloader_workers", "0"]
 
@@ -66,7 +66,7 @@ def test_a_worker_s_report_is_in_its_error_file_whole_or_not_at_all(tmp_path, mo
     a JSONDecodeError instead of restarting the job. A write cut short now leaves no file; a whole one parses."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from components.launch import report_failure, run_worker
+    from components.run.launch import report_failure, run_worker
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("INGOT_LAUNCHER", "1")
@@ -105,7 +105,7 @@ def test_a_process_exits_with_its_status_after_its_logs_and_streams_are_flushed(
     """exit_process, the trainer's and the launcher's last call, skips the interpreter's teardown (where a gloo
     thread freeing a collective's tensors aborted a run with status 134: 1 exit in 7-20 of a refused start-up on a
     loaded machine) but loses none of what was written."""
-    script = ("import logging, sys; from components.exit_codes import exit_process; logging.basicConfig(); "
+    script = ("import logging, sys; from components.run.exit_codes import exit_process; logging.basicConfig(); "
               "logging.warning('a log line'); sys.stdout.write('no newline'); sys.stderr.write('unflushed'); "
               "exit_process(3)")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -116,9 +116,9 @@ def test_a_process_exits_with_its_status_after_its_logs_and_streams_are_flushed(
 def test_a_crash_exits_1_and_shows_the_first_failing_ranks_traceback_once(tmp_path):
     """Rank 1 raises during step 3; rank 0, stopped by torchrun or by the broken collective, stays silent. Started
     as on a node of a multi-node job (--nnodes, --rdzv-*), which run_train.sh's --standalone stands for."""
-    command = [sys.executable, "-m", "components.launch", "--nnodes", "1", "--nproc_per_node", "2", "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "crash", "tests/fault_injection.py", *RUN,
-               "--training.steps", "6"]
+    command = [sys.executable, "-m", "components.run.launch", "--nnodes", "1", "--nproc_per_node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "crash",
+               "tests/fault_injection.py", *RUN, "--training.steps", "6"]
     proc = start(command, 2, tmp_path, INGOT_FAULT="raise-step:3:1")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
@@ -136,7 +136,7 @@ def test_a_crash_restarts_the_job_which_resumes_its_checkpoint_and_ends_as_an_un
 
     run = [*RUN, "--training.steps", "8", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
            "--job.max_restarts", "1"]
-    command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", "2",
                "tests/fault_injection.py", *run]
     proc = start(command, 2, tmp_path / "restarted", INGOT_FAULT="raise-step:5:1",
                  INGOT_FAULT_ONCE=str(tmp_path / "fired"))

@@ -1,13 +1,30 @@
-"""The layers of the code, as docs/models.md states them: components/ below parallelisms/ below models/, no
-import cycles. Read from the source (every import statement, those inside functions included), not by importing."""
+"""The layers of the code, as docs/models.md states them: components/ below parallelisms/ below models/ below
+scripts/, no import cycles. Read from the source (every import statement, those inside functions included, and
+importlib's imports by name: `import_module(f"models.{name}")` imports every family), not by importing."""
 
 import ast
 from collections import defaultdict
 
 from conftest import REPO
 
-LAYERS = ("components", "parallelisms", "models")
+LAYERS = ("components", "parallelisms", "models", "scripts")
 """Lowest first: a module imports only from its own layer and those before it."""
+
+
+def imported_by_name(node: ast.Call, modules: dict) -> list[str]:
+    """The modules an `importlib.import_module(...)` call can import: its name, or for an f-string, every module
+    one level below the f-string's literal start (`f"models.{name}"`: each family package)."""
+    name = node.args[0] if node.args else None
+    if isinstance(name, ast.Constant) and isinstance(name.value, str):
+        return [name.value]
+    if isinstance(name, ast.JoinedStr) and name.values and isinstance(name.values[0], ast.Constant):
+        start = name.values[0].value
+        return [m for m in modules if m.startswith(start) and "." not in m[len(start):]]
+    return []
+
+
+def called_name(call: ast.Call) -> str:
+    return getattr(call.func, "attr", getattr(call.func, "id", ""))
 
 
 def imports() -> dict[str, set[str]]:
@@ -24,6 +41,8 @@ def imports() -> dict[str, set[str]]:
                 targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Call) and called_name(node) == "import_module":
+                targets = imported_by_name(node, modules)
             else:
                 continue
             graph[name] |= {target for target in targets if target in modules and target != name}
@@ -57,3 +76,4 @@ def test_no_module_imports_from_a_layer_above_its_own_and_no_imports_go_round_in
     assert not upward, upward
     assert not cycles(graph), cycles(graph)
     assert graph["components.config.loading"] and graph["parallelisms.context_parallel"]  # the reading works
+    assert {"models.llama3", "models.qwen3"} <= graph["models.families"]  # importlib's imports by name too

@@ -13,7 +13,8 @@ from conftest import REPO
 
 import scripts.memory_estimate as me
 from components.config import load_config
-from components.metrics import peak_rss_bytes
+from components.metrics.reporting import peak_rss_bytes
+from models.families import model_config_class
 from scripts.memory_estimate.__main__ import main as estimate_main
 
 GiB = 2**30
@@ -24,14 +25,14 @@ SMALL = ["--job.config_file", "debug_model.toml", "--model.n_layers", "2", "--tr
 
 
 def estimate(*overrides, world_size=None, target="cpu"):
-    config = load_config(["--job.config_file", "debug_model.toml", *overrides])
+    config = load_config(["--job.config_file", "debug_model.toml", *overrides], model_config_class)
     return me.estimate(config, world_size, target, baseline_bytes=0 if target == "cpu" else None)
 
 
 def debug_param_count() -> int:
     from models.llama3 import Transformer, build_model_args
 
-    config = load_config(["--job.config_file", "debug_model.toml"])
+    config = load_config(["--job.config_file", "debug_model.toml"], model_config_class)
     with torch.device("meta"):
         model = Transformer(build_model_args(config, 4096))
     return sum(p.numel() for p in model.parameters())
@@ -95,13 +96,13 @@ def test_parameters_per_rank_match_the_real_parallelized_model(config_file, layo
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from components.distributed import ParallelDims
-    from components.model_package import import_model_package
+    from components.distributed.mesh import ParallelDims
+    from models.families import import_model_package
 
     overrides = ["--training.mixed_precision_param", "bfloat16", "--model.vocab_size", "4100"]  # 4100: uneven shards
     for key, value in layout.items():
         overrides += [f"--parallelism.{key}", str(value)]
-    config = load_config(["--job.config_file", config_file, *overrides])
+    config = load_config(["--job.config_file", config_file, *overrides], model_config_class)
     package = import_model_package(config.model.name)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
@@ -142,7 +143,7 @@ def test_simulating_a_few_blocks_gives_the_whole_model(ac, stage):
     """The blocks left out of the simulation are added exactly (identical blocks)."""
     from models import llama3
 
-    config = load_config(["--job.config_file", "debug_model.toml", "--model.n_layers", "11"])
+    config = load_config(["--job.config_file", "debug_model.toml", "--model.n_layers", "11"], model_config_class)
     args = llama3.build_model_args(config, 4096)
     kwargs = dict(batch=2, seq=32, dtype=torch.float32, ac_mode=ac[0], ac_option=ac[1], **stage)
     whole = me.simulate_micro_batch(llama3, args, simulate_blocks=11, **kwargs)
@@ -225,7 +226,7 @@ def test_cli_rejects_a_layout_that_does_not_fit_the_world_size_and_a_bad_world_s
 
 
 def test_llama3_8b_estimate_is_fast_plausible_and_allocates_nothing():
-    config = load_config(["--job.config_file", "llama3_8b.toml"])
+    config = load_config(["--job.config_file", "llama3_8b.toml"], model_config_class)
     rss_before = peak_rss_bytes()
     start = time.perf_counter()
     est = me.estimate(config, world_size=8, target="cuda")

@@ -4,8 +4,9 @@ import torch
 import torch.nn.functional as F
 from conftest import build_model, tiny_model_args
 
-from components.attention import apply_rope
 from components.config import load_config
+from components.model.attention import apply_rope
+from models.families import model_config_class
 from models.llama3 import Transformer, build_model_args, flavors
 from models.llama3.model import rope_frequencies
 
@@ -86,7 +87,7 @@ def test_flavors_have_published_sizes():
 
 def test_cli_overrides_model_shape():
     config = load_config(["--model.n_layers", "3", "--model.dim", "128", "--model.n_heads", "8",
-                          "--model.n_kv_heads", "2"])
+                          "--model.n_kv_heads", "2"], model_config_class)
     args = build_model_args(config, vocab_size=100)
     assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.vocab_size) == (3, 128, 8, 2, 100)
     assert args.max_seq_len == config.training.seq_len

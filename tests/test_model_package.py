@@ -24,7 +24,7 @@ from conftest import (
 )
 
 from components.config import ConfigError
-from components.model_package import MODEL_EXPORTS, import_model_package
+from models.families import MODEL_EXPORTS, import_model_package, model_config_class
 from scripts.hf import one_process
 
 
@@ -51,16 +51,17 @@ def test_an_unknown_model_name_is_one_clear_error(train_in_process, tmp_path, ca
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
 def test_every_family_fulfils_the_model_contract(name):
     from components.config import load_config
-    from components.model_contract import check_model_contract
+    from components.model.contract import check_model_contract
 
     package = import_model_package(name)
     with torch.device("meta"):
-        model = package.Transformer(package.build_model_args(load_config(["--model.name", name]), 4096))
+        config = load_config(["--model.name", name], model_config_class)
+        model = package.Transformer(package.build_model_args(config, 4096))
     check_model_contract(model, name)
 
 
 def test_a_model_that_breaks_the_contract_is_refused_in_one_line_naming_what_it_lacks():
-    from components.model_contract import check_model_contract
+    from components.model.contract import check_model_contract
     from models.llama3 import ModelArgs, Transformer
 
     def refusal(edit) -> str:
@@ -224,7 +225,7 @@ def moe_fork(tmp_path, monkeypatch):
 
 def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_compile_rule(moe_fork, train_in_process,
                                                                                          monkeypatch):
-    """Shared code finds MoE layers by interface (components/moe_layer.py): the fork's routing biases move and its
+    """Shared code finds MoE layers by interface (components/model/moe_layer.py): the fork's routing biases move and its
     MoE metrics are logged (with models.moe.MoE recognised by class the biases stayed 0.0), and compile leaves
     the data-dependent expert computation out of the blocks' graphs. Its renamed modules keep the Hugging Face form
     (Qwen3-MoE's, which transformers loads to the same logits)."""
@@ -247,15 +248,15 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
 
     package = import_model_package("mymoe")
     with torch.device("meta"):
-        model = package.Transformer(package.build_model_args(load_config(MOE_FORK_RUN), 4096))
+        model = package.Transformer(package.build_model_args(load_config(MOE_FORK_RUN, model_config_class), 4096))
     fullgraph = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: fullgraph.append(kwargs["fullgraph"]))
     compile_blocks(model.transformer_blocks())
     assert fullgraph == [False, False]
     pytest.importorskip("transformers")
-    from components.hf_export import check_hf_form
+    from components.hf.export import check_hf_form
 
-    check_hf_form(package, package.build_model_args(load_config(MOE_FORK_RUN), 4096))
+    check_hf_form(package, package.build_model_args(load_config(MOE_FORK_RUN, model_config_class), 4096))
 
 
 @pytest.mark.slow
@@ -305,12 +306,12 @@ def test_the_docs_fork_walkthrough_ends_with_an_export_that_transformers_reloads
         assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
 
-    from components.checkpoint import ModelState
+    from components.checkpoint.dcp import ModelState
     from components.config import load_config
 
     monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path / "models")])
     package = import_model_package("mymodel")
-    config = load_config(["--job.config_file", str(dump / "config.toml")])
+    config = load_config(["--job.config_file", str(dump / "config.toml")], model_config_class)
     with torch.device("meta"):
         model = package.Transformer(package.build_model_args(config, 4096))
     model.to_empty(device="cpu")
@@ -325,7 +326,7 @@ def test_the_docs_fork_walkthrough_ends_with_an_export_that_transformers_reloads
     print(f"\nthe docs' fork (GeGLU), ingot vs transformers logits: relative error {error:.1e}")
     assert error < 1e-5
     with pytest.raises(ConfigError, match="unknown config key 'model.hidden_act'"):
-        load_config(["--model.name", "llama3", "--model.hidden_act", "gelu"])
+        load_config(["--model.name", "llama3", "--model.hidden_act", "gelu"], model_config_class)
 
 
 def test_an_export_refuses_a_model_its_hugging_face_form_does_not_compute(monkeypatch):
@@ -335,11 +336,11 @@ def test_an_export_refuses_a_model_its_hugging_face_form_does_not_compute(monkey
 
     import models.llama3.model as llama_model
     from components.config import load_config
-    from components.hf_export import check_hf_form
+    from components.hf.export import check_hf_form
 
     pytest.importorskip("transformers")
     package = import_model_package("llama3")
-    args = package.build_model_args(load_config([]), 4096)
+    args = package.build_model_args(load_config([], model_config_class), 4096)
     check_hf_form(package, args)
     monkeypatch.setattr(llama_model.FeedForward, "forward", lambda self, x: self.w2(F.gelu(self.w1(x)) * self.w3(x)))
     with pytest.raises(ConfigError, match=r"models.llama3: its Hugging Face form \(LlamaForCausalLM, hidden_act "
@@ -353,15 +354,16 @@ def test_an_export_refuses_a_sliding_window_its_hugging_face_form_lacks_however_
     is Llama and passes."""
     import models
     from components.config import load_config
-    from components.hf_export import check_hf_form
+    from components.hf.export import check_hf_form
 
     pytest.importorskip("transformers")
     monkeypatch.setattr(models, "__path__", list(models.__path__))
     monkeypatch.delitem(sys.modules, "models.swa", raising=False)
     package = import_fork(sliding_window_fork(tmp_path))
-    config = load_config(["--model.name", "swa", "--training.seq_len", "32"])
+    config = load_config(["--model.name", "swa", "--training.seq_len", "32"], model_config_class)
     check_hf_form(package, package.build_model_args(config, 4096))
-    config = load_config(["--model.name", "swa", "--training.seq_len", "32", "--model.sliding_window", "40"])
+    config = load_config(["--model.name", "swa", "--training.seq_len", "32", "--model.sliding_window", "40"],
+                         model_config_class)
     with pytest.raises(ConfigError, match=r"models.swa: its Hugging Face form \(LlamaForCausalLM, .*\) computes "
                                           r"another model"):
         check_hf_form(package, package.build_model_args(config, 4096))
@@ -374,7 +376,7 @@ def test_a_fork_reads_its_own_exports_and_a_model_type_two_families_list_asks_wh
     listing Llama's model_type too) reads its own export back as itself; a plain Llama folder, which both list,
     is a one-line error naming both; and a broken folder under models/ does not stop the others."""
     import models
-    from components.hf import load_hf_model
+    from models.families import load_hf_model
     from scripts import hf as converter
 
     pytest.importorskip("transformers")

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from components.moe_layer import MoELayer, has_moe_layer, moe_layers
-from components.protocols import members
-from components.routing import RoutingTally
+from components.model.moe_layer import MoELayer, has_moe_layer, moe_layers
+from components.model.protocols import members
+from components.training.routing import RoutingTally
 from models.moe import MoE, MoEArgs
 from parallelisms.expert_parallel import apply_expert_parallel
 

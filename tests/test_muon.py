@@ -1,4 +1,4 @@
-"""Muon (components/muon.py): the orthogonalisation, whole matrices under sharding, MoE experts one by
+"""Muon (components/training/muon.py): the orthogonalisation, whole matrices under sharding, MoE experts one by
 one, the optimizer container and schedule around it, the step guard, checkpoints, and every layout
 training like one process (CPU, fp32 Newton-Schulz)."""
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from conftest import ON_HF, TINY, build_model, losses, on_ranks, tiny_model_args, torchrun_runs
 
 from components.config import ConfigError, LRScheduler, Optimizer as OptimizerConfig
-from components.muon import Muon, newton_schulz, orthogonalise
-from components.optim import LRSchedule, Optimizers, lr_factor
+from components.training.muon import Muon, newton_schulz, orthogonalise
+from components.training.optimizers import LRSchedule, Optimizers, lr_factor
 
 STEPS = 6
 MUON = [*TINY, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--training.global_batch_size", "8",

@@ -10,8 +10,9 @@ import torch
 from conftest import ON_HF, TINY, build_model, losses, metric_lines, tiny_model_args, torchrun
 
 from components.config import ConfigError, Optimizer as OptimizerConfig, load_config
-from components.muon import Muon
-from components.optim import Optimizers
+from components.training.muon import Muon
+from components.training.optimizers import Optimizers
+from models.families import model_config_class
 from models.llama3 import build_model_args, hf_config
 from scripts import coord_check
 
@@ -36,7 +37,7 @@ def group_lrs(model, cfg: OptimizerConfig) -> dict[str, float]:
 def test_mup_is_off_by_default_and_leaves_the_model_and_losses_as_they_were(train_in_process, tmp_path):
     """model.mup false (the default) ignores mup_base_dim: the standard init and one AdamW group at
     optimizer.lr, and the same losses and gradient norms, bit for bit, as a run that sets it."""
-    args = build_model_args(load_config(RUN), 4096)
+    args = build_model_args(load_config(RUN, model_config_class), 4096)
     assert args.mup_base_dim is None and args.mup_width == 1.0
     model = build_model(tiny_model_args())
     assert set(group_lrs(model, OptimizerConfig(lr=1e-2)).values()) == {1e-2}
@@ -116,9 +117,9 @@ def test_a_mup_model_has_no_hugging_face_form_and_qwen3_refuses_it():
     with pytest.raises(ValueError, match="model.mup: Hugging Face's LlamaForCausalLM has no output multiplier"):
         hf_config(wide(128))
     with pytest.raises(ConfigError, match="unknown config key 'model.mup': the model family qwen3 does not define it"):
-        load_config(["--job.config_file", "debug_qwen3.toml", "--model.mup", "true"])
+        load_config(["--job.config_file", "debug_qwen3.toml", "--model.mup", "true"], model_config_class)
     with pytest.raises(ConfigError, match="model.mup_base_dim must be"):
-        load_config([*RUN, "--model.mup_base_dim", "0"])
+        load_config([*RUN, "--model.mup_base_dim", "0"], model_config_class)
 
 
 @pytest.fixture(scope="module")

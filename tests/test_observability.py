@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, metric_lines, torchrun_runs
 
-from components.metrics import peak_flops
+from components.metrics.reporting import peak_flops
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_peak_flops_comes_from_the_config_and_a_cpu_has_none_of_its_own():
 @pytest.mark.parametrize("configured_peak", [0.0, 2e12])
 def test_a_cpu_logs_mfu_only_against_a_configured_peak(tmp_path, configured_peak):
     from components.config import Metrics
-    from components.metrics import MetricsLogger, read_metrics
+    from components.metrics.reporting import MetricsLogger, read_metrics
 
     cfg = Metrics(enable_tensorboard=False, peak_flops=configured_peak)
     metrics = MetricsLogger(tmp_path, cfg, torch.device("cpu"), flops_per_token=1e6, world_size=1, is_writer=True)

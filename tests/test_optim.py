@@ -5,7 +5,7 @@ import torch
 from conftest import on_ranks
 
 from components.config import LRScheduler, Optimizer as OptimizerConfig
-from components.optim import LRSchedule, Optimizers, lr_factor
+from components.training.optimizers import LRSchedule, Optimizers, lr_factor
 
 
 def test_warmup_then_linear_decay_over_all_remaining_steps():
@@ -59,7 +59,7 @@ def _partial_gradients(rank: int, store_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    from components.optim import clip_grad_norm
+    from components.training.optimizers import clip_grad_norm
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def _clipped_shards(rank: int, store_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from components.optim import clip_grad_norm
+    from components.training.optimizers import clip_grad_norm
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))

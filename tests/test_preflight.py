@@ -14,6 +14,7 @@ import torch.distributed as dist
 from conftest import REPO, on_ranks
 
 from components.config import load_config
+from models.families import model_config_class
 from scripts.preflight.collectives import Collective
 from scripts.preflight.predict import CLUSTERS, Step, load_cluster, predict
 from scripts.preflight.rank import RankReport, run_rank, step_report
@@ -24,7 +25,7 @@ FSDP4_TP2 = ["--job.config_file", "debug_model.toml", "--parallelism.data_parall
 
 def fake_step(config_args: list[str], world_size: int, rank: int) -> RankReport:
     """preflight_rank in a process of its own, as the command runs it."""
-    return run_rank(load_config(config_args), world_size, rank)
+    return run_rank(load_config(config_args, model_config_class), world_size, rank)
 
 
 def collectives(report: RankReport) -> dict[str, list[int]]:
@@ -34,7 +35,7 @@ def collectives(report: RankReport) -> dict[str, list[int]]:
 def _real_step(rank: int, world_size: int, store: str, config_args: list[str]) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     try:
-        report = step_report(load_config(config_args), fake=False)
+        report = step_report(load_config(config_args, model_config_class), fake=False)
         (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(collectives(report)))
         (Path(store).parent / f"peak{rank}.json").write_text(json.dumps(report.peak_bytes))
     finally:
@@ -119,7 +120,7 @@ def test_the_step_s_peak_memory_is_within_5_percent_of_the_memory_estimate_s_ten
     GPUs."""
     from scripts.memory_estimate import estimate
 
-    config = load_config(config_args)
+    config = load_config(config_args, model_config_class)
     expected = estimate(config, world_size, "cuda")
     tensors = expected.total - expected.parts["baseline"] - expected.parts["allocator"]
     assert fake_step(config_args, world_size, 0).peak_bytes == pytest.approx(tensors, rel=0.05)
@@ -178,7 +179,7 @@ def test_the_float8_share_counts_the_layers_that_would_compute_in_float8_on_a_gp
 
 
 def config_tokens(args: list[str]) -> int:
-    training = load_config(args).training
+    training = load_config(args, model_config_class).training
     return training.local_batch_size * training.seq_len
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from components.data.packed_format import PackedSplit, ShardWriter, file_sha256, read_manifest
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
 from scripts.preprocess import main
 from scripts.preprocess.split import validation_mask
 from scripts.preprocess.workers import Encoder

@@ -14,9 +14,10 @@ import torch.distributed.checkpoint as dcp
 from conftest import TINY, losses, metric_lines, torchrun, torchrun_runs
 
 import models.qwen3 as qwen3
-from components.checkpoint import ModelState
+from components.checkpoint.dcp import ModelState
 from components.config import load_config
-from components.hf import load_hf_model, load_hf_weights, read_hf_weights
+from components.hf.load import load_hf_weights, read_hf_weights
+from models.families import load_hf_model, model_config_class
 from scripts import hf as converter
 
 VOCAB = 4096  # the shipped tokenizer's, which TINY uses
@@ -86,7 +87,7 @@ def ingot_model(argv: list[str], checkpoint: Path | None = None, package=qwen3) 
     weights of a DCP checkpoint."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = package.Transformer(package.build_model_args(load_config(argv), VOCAB))
+        model = package.Transformer(package.build_model_args(load_config(argv, model_config_class), VOCAB))
     model.to_empty(device="cpu")
     model.init_weights()
     if checkpoint is not None:
@@ -149,7 +150,7 @@ def test_export_warns_that_routing_biases_are_left_out(tmp_path, caplog):
     model.layers["1"].feed_forward.expert_bias.copy_(torch.linspace(-0.02, 0.02, 4))
     with converter.one_process():
         dcp.save({"model": ModelState([model])}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    caplog.set_level("WARNING", logger="components.hf_export")
+    caplog.set_level("WARNING", logger="components.hf.export")
     run_hf("export", *SMALL["moe"], "--checkpoint", tmp_path / "dcp", "--output", tmp_path / "hf")
     assert "routing biases (moe.bias_update_speed, up to 0.02)" in caplog.text
     assert "expert_bias" not in json.dumps(list(read_hf_weights(tmp_path / "hf")))
@@ -200,7 +201,7 @@ def test_sharded_loader_fills_the_experts_in_place(tmp_path):
     """load_hf_weights, as training runs it, in one process from bf16 files: to_hf's per-expert views
     are filled by DCP, so the stacked experts hold the files' tensors."""
     source = hf_qwen3(tmp_path / "hf", SMALL_MOE_HF, dtype=torch.bfloat16)
-    args = qwen3.build_model_args(load_config(SMALL["moe"]), VOCAB)
+    args = qwen3.build_model_args(load_config(SMALL["moe"], model_config_class), VOCAB)
     model = ingot_model(SMALL["moe"])
     with converter.one_process():
         load_hf_weights(source, [model], qwen3, args)
@@ -276,7 +277,7 @@ def test_an_unsupported_model_type_is_one_line_naming_the_file(tmp_path, capsys)
     (tmp_path / "qwen3" / "config.json").write_text(json.dumps(llama))
     assert converter.main(["import", *SMALL["dense"], "--hf", str(tmp_path / "qwen3"),
                            "--output", str(tmp_path / "dcp")]) == 2
-    assert 'model_type = "llama"' in capsys.readouterr().err
+    assert "model_type 'llama' is not read by qwen3: set model.name to llama3" in capsys.readouterr().err
 
 
 def test_bad_moe_settings_name_the_key(train_in_process, tmp_path, capsys):

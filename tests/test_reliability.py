@@ -18,12 +18,12 @@ import torch.distributed as dist
 from conftest import ON_HF, REPO, TINY, free_port, losses, metric_lines, train_main
 from fault_injection import descendants, kill_tree
 
-from components import heartbeat
-from components.checkpoint_integrity import check_checkpoint
+from components.checkpoint.integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
-from components.optim import Optimizers
-from components.step_guard import StepGuard
-from components.stragglers import CollectiveWaits, slow_ranks
+from components.metrics.stragglers import CollectiveWaits, slow_ranks
+from components.run import heartbeat
+from components.training.optimizers import Optimizers
+from components.training.step_guard import StepGuard
 
 STEPS = 12
 RUN = [*TINY, "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--checkpoint.enable", "true",
@@ -413,9 +413,9 @@ def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_and_where_with_ex
     rank 1, where it is and whether it is alive (the desynchronised ranks: the collective each waits in, from torch's
     flight recorder); the last checkpoint is intact. Rank 1 does not stop at the launcher's SIGTERM (a trainer stops
     at a step boundary, which it never reaches; a frozen one not at all): the launcher kills it 5 s later
-    (components/launch.py's FAILURE_GRACE_SECONDS), not after torchrun's 30 s."""
+    (components/run/launch.py's FAILURE_GRACE_SECONDS), not after torchrun's 30 s."""
     env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT=fault)
-    proc = subprocess.Popen([sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", "2",
                              "tests/fault_injection.py", *RUN, "--comm.train_timeout_seconds", "5",
                              "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     stderr, step_3_logged = [], None
@@ -441,7 +441,7 @@ def test_a_dead_peer_on_another_node_is_named_by_the_survivor_which_exits_4(tmp_
     launcher exits 4, naming rank 1 and where it was, and keeps the last checkpoint."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", INGOT_FAULT="kill-step:4:1")
-    nodes = [subprocess.Popen([sys.executable, "-m", "components.launch", "--nnodes", "2", "--node_rank", str(node),
+    nodes = [subprocess.Popen([sys.executable, "-m", "components.run.launch", "--nnodes", "2", "--node_rank", str(node),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                                "tests/fault_injection.py", *RUN, "--comm.train_timeout_seconds", "5",
                                "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
@@ -512,7 +512,7 @@ def test_a_checkpoint_from_before_the_step_guard_still_resumes(tmp_path, train_i
     and without integrity.json, as another tool would) resumes, with a warning, on the same curve."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from components.stopping import StopSignals
+    from components.run.stopping import StopSignals
 
     args = [*RUN, "--job.dump_folder", str(tmp_path)]
     calls = iter(range(1, STEPS + 1))

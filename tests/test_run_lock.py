@@ -1,4 +1,4 @@
-"""One job per dump folder, and workers that die with their launcher (components/run_lock.py)."""
+"""One job per dump folder, and workers that die with their launcher (components/run/lock.py)."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, losses
 
-from components.run_lock import FolderInUse, lock_dump_folder, release_dump_folders
+from components.run.lock import FolderInUse, lock_dump_folder, release_dump_folders
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ def test_killing_the_launcher_kills_its_workers_within_seconds(tmp_path):
 def test_the_lock_is_taken_once_per_process_and_released(tmp_path):
     lock_dump_folder(tmp_path)
     lock_dump_folder(tmp_path)  # again from the same process: still held, not dropped
-    probe = [sys.executable, "-c", "import sys; from pathlib import Path; from components.run_lock import "
+    probe = [sys.executable, "-c", "import sys; from pathlib import Path; from components.run.lock import "
              "lock_dump_folder; lock_dump_folder(Path(sys.argv[1]))", str(tmp_path)]
     held = subprocess.run(probe, cwd=REPO, capture_output=True, text=True)
     assert held.returncode == 1 and FolderInUse.__name__ in held.stderr and f"pid {os.getpid()}" in held.stderr

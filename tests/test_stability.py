@@ -14,7 +14,8 @@ from conftest import REPO, TINY, build_model, losses, metric_lines, tiny_model_a
 
 import models.llama3.model as llama
 from components.config import load_config
-from components.loss import ZLoss, cross_entropy_loss, z_loss
+from components.training.loss import ZLoss, cross_entropy_loss, z_loss
+from models.families import model_config_class
 from models.llama3 import Transformer, build_model_args, hf_config, to_hf
 from scripts.hf import main as hf_converter, one_process
 
@@ -102,7 +103,7 @@ def test_defaults_leave_the_state_dict_and_the_losses_unchanged(train_in_process
     that turns them off explicitly; with z-loss on, the first loss is still the same (the logged loss is the
     cross-entropy alone) and the next ones differ (the gradients include the z-loss)."""
     with torch.device("meta"):
-        default, explicit = (Transformer(build_model_args(load_config(argv), 4096)) for argv in (
+        default, explicit = (Transformer(build_model_args(load_config(argv, model_config_class), 4096)) for argv in (
             TINY, [*TINY, "--training.z_loss", "0", "--model.qk_norm", "false"]))
     assert list(default.state_dict()) == list(explicit.state_dict())
     assert not any("q_norm" in name or "k_norm" in name for name in default.state_dict())
@@ -126,7 +127,7 @@ def test_negative_z_loss_is_refused_at_start_up_naming_the_key(train_in_process,
 def test_a_llama_with_qk_norm_exports_as_qwen3_which_transformers_computes_alike():
     """Llama with QK-norm is Qwen3's architecture for transformers: hf_config derives that form from the args,
     and check_hf_form's round trip through transformers gives the same logits."""
-    from components.hf_export import check_hf_form
+    from components.hf.export import check_hf_form
     from models import llama3
 
     args = tiny_model_args(qk_norm=True)

@@ -23,7 +23,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}
 def launch(nproc: int, dump: Path, stop_signal: str) -> subprocess.CompletedProcess:
     """tests/fault_injection.py under the launcher (what run_train.sh starts), rank 0 sending the stop signal that
     INGOT_STOP_SIGNAL names (<signal>:<point>:<target>) at that point of its start-up."""
-    command = [sys.executable, "-m", "components.launch", "--standalone", "--nproc_per_node", str(nproc),
+    command = [sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", str(nproc),
                "tests/fault_injection.py", *RUN, "--job.dump_folder", str(dump)]
     proc = subprocess.Popen(command, cwd=REPO, env=ENV | {"INGOT_STOP_SIGNAL": stop_signal}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -35,7 +35,7 @@ def launch(nproc: int, dump: Path, stop_signal: str) -> subprocess.CompletedProc
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under `folder` with its size and modification time, but the lock file (each job writes its own
-    details into it: components/run_lock.py)."""
+    details into it: components/run/lock.py)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
 

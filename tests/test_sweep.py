@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, read_csv
 
-from components.metrics import read_metrics
+from components.metrics.reporting import read_metrics
 from scripts.sweep import launch, report
 from scripts.sweep.__main__ import main
 from scripts.sweep.plan import SweepError, read_sweep, run_names

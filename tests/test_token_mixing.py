@@ -20,11 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from components.config import ConfigError, load_config
-from components.distributed import ParallelDims
-from components.layout_checks import check_token_mixing
-from components.token_mixing import causal_conv, gated_linear_recurrence
-from components.undeclared_mixing import undeclared_mixing
+from components.distributed.mesh import ParallelDims
+from components.model.layout_checks import check_token_mixing
+from components.model.token_mixing import causal_conv, gated_linear_recurrence
+from components.model.undeclared_mixing import undeclared_mixing
 from models import deepseek_v3, gpt_oss, llama3, qwen3
+from models.families import model_config_class
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.tensor_parallel import apply_tensor_parallel
 
@@ -130,7 +131,7 @@ def test_an_undeclared_shift_is_refused_by_each_layout_that_splits_the_sequence_
     package = import_mixers(fork)
     config = load_config(["--job.config_file", "debug_model.toml", "--model.name", "mixers",
                           "--model.token_mixer", "inline_shift",
-                          *[f"--parallelism.{key}={value}" for key, value in layout_args.items()]])
+                          *[f"--parallelism.{key}={value}" for key, value in layout_args.items()]], model_config_class)
     with torch.device("meta"):
         model = package.Transformer(package.build_model_args(config, 97))
     dims = ParallelDims.from_config(config.parallelism, 2)

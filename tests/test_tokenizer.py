@@ -10,7 +10,7 @@ import torch
 from tiktoken.load import load_tiktoken_bpe
 
 from components.data.streaming import build_streaming_dataloader
-from components.tokenizer import (
+from components.data.tokenizer import (
     LLAMA3_PATTERN,
     HFTokenizer,
     MissingDependencyError,

@@ -124,7 +124,7 @@ def test_a_run_that_fails_midway_leaves_no_loader_worker_running(tmp_path, train
     which async saves of earlier tests may have started, lives as long as the interpreter by design.)"""
     import multiprocessing
 
-    from components.metrics import MetricsLogger
+    from components.metrics.reporting import MetricsLogger
 
     def fail(self, step, *args, **kwargs):
         raise RuntimeError(f"failed at step {step}")

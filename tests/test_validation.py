@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import REPO, TINY, metric_lines, val_losses
 
 from components.config import load_config
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
+from models.families import model_config_class
 from models.llama3 import Transformer, build_model_args
 
 pytestmark = pytest.mark.slow
@@ -21,7 +22,7 @@ VALIDATION = ["--validation.enable", "true", "--validation.freq", "2", "--valida
 def hand_validation_loss(args: list[str], checkpoint) -> float:
     """Mean next-token loss of the checkpoint's model on the first 2 x 4 windows of the validation
     documents, packed as BOS + tokens + EOS and cut into windows of seq_len + 1 tokens."""
-    config = load_config(args)
+    config = load_config(args, model_config_class)
     tokenizer = build_tokenizer(REPO / config.model.tokenizer_path)
     model = Transformer(build_model_args(config, tokenizer.vocab_size))
     weights = model.state_dict()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, metric_lines
 
-from components.wandb_logging import INSTALL, RUN_ID_FILE
+from components.metrics.wandb_logging import INSTALL, RUN_ID_FILE
 
 BLOCK, HEADER = 32768, 7
 FULL, LAST = 1, 4

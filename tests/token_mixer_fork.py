@@ -76,8 +76,9 @@ TOKEN_MIXERS = {"shift": TokenShift, "conv": ShortConv, "recurrence": Recurrence
 
 EDITS = {
     "model.py": [
-        ("from components.attention import", "import torch.nn.functional as F\n\n"
-         "from components.token_mixing import causal_conv, gated_linear_recurrence\nfrom components.attention import"),
+        ("from components.model.attention import", "import torch.nn.functional as F\n\n"
+         "from components.model.token_mixing import causal_conv, gated_linear_recurrence\n"
+         "from components.model.attention import"),
         ('    mup_base_dim: int | None = None\n',
          '    mup_base_dim: int | None = None\n    token_mixer: str = "none"\n'),
         ("\n\nclass TransformerBlock(nn.Module):", MIXERS + "\n\nclass TransformerBlock(nn.Module):"),

@@ -3,16 +3,16 @@
 Every field of schema.py (and of the model family's config.py, for `[model]`) can be set in the file or on
 the command line. Unknown keys and values of the wrong type or out of range stop the run at start-up with a
 message that names the key (and the nearest valid one). schema.py holds the sections, loading.py reads and
-writes configs, reference.py generates docs/configuration.md.
+writes configs; scripts/config.py generates docs/configuration.md.
 """
 
+from components.config.errors import ConfigError
 from components.config.loading import (
     all_keys,
     all_ranges,
     dump_config,
     git_commit,
     load_config,
-    model_config_class,
     read_key,
     resolve_config_file,
     to_toml,
@@ -51,13 +51,12 @@ from components.config.schema import (
     Validation,
     field_types,
 )
-from components.errors import ConfigError
 
 __all__ = [
     "CHOICES", "CONFIG_DIR", "COUNT", "DECAY", "DTYPES", "FRACTION", "NON_NEGATIVE", "OFF_AT_0", "POSITIVE", "RANGES",
     "REPO_ROOT", "SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Config", "ConfigError",
     "Evaluation", "FaultTolerance", "Float8", "Job", "LRScheduler", "Metrics", "Model", "MoE", "Optimizer",
     "Parallelism", "Profiling", "Range", "Training", "Validation", "all_keys", "all_ranges", "dump_config",
-    "field_types", "git_commit", "load_config", "model_config_class", "read_key", "resolve_config_file",
+    "field_types", "git_commit", "load_config", "read_key", "resolve_config_file",
     "to_toml",
 ]

@@ -3,7 +3,9 @@ checked against its key's type, choices and range; and writing the resolved conf
 
 The `[model]` keys depend on the family: the class of `config.model` is the family's `ModelConfig`
 (models/<model.name>/config.py), picked by the last model.name the file or the command line gives, before
-any other key is set, so that a key the family does not define is refused naming the family.
+any other key is set, so that a key the family does not define is refused naming the family. The caller passes
+the lookup from a family's name to its ModelConfig (models/families.py's `model_config_class`): the families
+sit above this package, which they import.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
+from components.config.errors import ConfigError
 from components.config.schema import (
     CHOICES,
     CONFIG_DIR,
@@ -30,18 +34,11 @@ from components.config.schema import (
     Range,
     field_types,
 )
-from components.errors import ConfigError
-from components.model_package import import_model_package
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
-
-
-def model_config_class(name: str) -> type[Model]:
-    """The [model] dataclass of the family models/<name> (its ModelConfig export)."""
-    return import_model_package(name).ModelConfig
 
 
 def all_ranges(config: Config) -> dict[str, Range]:
@@ -219,9 +216,10 @@ def read_key(argv: list[str], key: str):
     return value
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file named by the last --job.config_file, then the other overrides."""
-    path, assignments = _assignments(sys.argv[1:] if argv is None else argv)
+def load_config(argv: list[str], model_config_class: Callable[[str], type[Model]]) -> Config:
+    """Defaults, then the TOML file named by the last --job.config_file, then the other overrides; the [model]
+    section is the ModelConfig that `model_config_class` gives for the family model.name names."""
+    path, assignments = _assignments(argv)
     family = Model.name
     for key, value, source in assignments:
         if key == "model.name":

@@ -31,7 +31,7 @@ class Job:
     """Everything a run writes goes here: config.toml, metrics.jsonl, tb/, checkpoints."""
     description: str = "ingot training job"
     max_restarts: int = 0
-    """Under run_train.sh (components/launch.py): run the job again after a crash or a hang (exit status 4), up
+    """Under run_train.sh (components/run/launch.py): run the job again after a crash or a hang (exit status 4), up
     to this many times, each attempt resuming the last checkpoint; never after bad input (2), the step guard
     (3) or a preemption (75)."""
 
@@ -299,7 +299,7 @@ class Metrics:
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
     straggler_factor: float = 1.5
     """Name once a rank whose step time, without its waits for the others, stays this many times theirs
-    (components/stragglers.py; CPU runs); 0: name none. Logged steps record the ranks' times either way."""
+    (components/metrics/stragglers.py; CPU runs); 0: name none. Logged steps record the ranks' times either way."""
     enable_wandb: bool = False
     """Also log to Weights & Biases (docs/wandb.md): rank 0 only, its files under <dump_folder>/wandb/. Needs
     `pip install -e '.[wandb]'`; WANDB_MODE=offline keeps the run on disk. The keys below left empty leave

@@ -15,7 +15,7 @@ PRIME = 2**31 - 1
 class DataHash:
     """Passes a loader's batches through, hashing each window: h(w) = sum_i (w_i + 1) r_i mod PRIME with fixed
     random r, added up over the step's windows and over the data-parallel ranks (a sum: the rows' order and
-    their ranks do not matter). A feature of the training loop (components/in_loop.py)."""
+    their ranks do not matter). A feature of the training loop (components/training/loop_features.py)."""
 
     def __init__(self, batches: Iterable[torch.Tensor], dp_group: dist.ProcessGroup | None, device: torch.device):
         self.batches, self.dp_group, self.device = batches, dp_group, device

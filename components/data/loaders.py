@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components.batch import batch_plan
 from components.config import Config, ConfigError
+from components.data.batch_plan import batch_plan
 from components.data.packed import build_packed_dataloader
 from components.data.packed_format import is_packed_folder
 from components.data.streaming import build_streaming_dataloader, build_streaming_validation_dataloader
-from components.tokenizer import Tokenizer
+from components.data.tokenizer import Tokenizer
 
 
 def build_dataloader(config: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: int):

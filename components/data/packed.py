@@ -46,7 +46,7 @@ from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from components.data.packed_format import PackedSplit, check_tokenizer, read_manifest
-from components.stopping import leave_signals_to_the_trainer
+from components.run.stopping import leave_signals_to_the_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def stop_iterator(iterator) -> None:
     which an exception's traceback can put off indefinitely: a process that goes on and forks again (train.main
     called from a notebook or the test suite) can crash the new child if it forks while those threads run, and
     one that exits would wait for workers that ignore the SIGTERM it stops them with (they leave the stop signals
-    to the trainer, components/stopping.py): those still alive after the DataLoader's own shutdown (a private
+    to the trainer, components/run/stopping.py): those still alive after the DataLoader's own shutdown (a private
     method, stable since torch 1.x) are killed. An iterator without workers has none."""
     if not hasattr(iterator, "_shutdown_workers"):
         return

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from components.durable import write_json_atomically
-from components.tokenizer import tokenizer_files
+from components.checkpoint.durable import write_json_atomically
+from components.data.tokenizer import tokenizer_files
 
 FORMAT_NAME = "ingot-packed"
 FORMAT_VERSION = 1

@@ -29,7 +29,7 @@ Resume. A stream's state is where it stands in each source (epoch, block, docume
 each, and how far into its last document its windows reached: a few numbers, saved under a key of its own
 (`stream_<v>`). A resume on any number of processes loads the states of the streams each rank now reads and
 continues exactly; one with another global batch size (other streams) is refused at start-up
-(components/resume.py) unless `checkpoint.exclude_from_loading dataloader` starts the data again.
+(components/checkpoint/resume.py) unless `checkpoint.exclude_from_loading dataloader` starts the data again.
 
 Validation reads its sources whole on every rank, in order, once; windows are dealt round-robin to the
 ranks, and only whole rows of windows are kept, so every rank gets the same number of batches.
@@ -48,8 +48,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from components.data.packed import _hash, stop_iterator
 from components.data.sources import DataError, Source, open_source
-from components.stopping import leave_signals_to_the_trainer
-from components.tokenizer import Tokenizer
+from components.data.tokenizer import Tokenizer
+from components.run.stopping import leave_signals_to_the_trainer
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from components.batch import BatchPlan
 from components.config import Config, ConfigError
+from components.data.batch_plan import BatchPlan
 from components.data.loaders import build_validation_dataloader, validation_sources
-from components.distributed import ParallelDims
+from components.data.tokenizer import Tokenizer
+from components.distributed.mesh import ParallelDims
 from components.evaluation.scoring import evaluate_task, prepare_task
 from components.evaluation.tasks import read_task
-from components.metrics import MetricsLogger
-from components.model_on_rank import (
+from components.metrics.reporting import MetricsLogger
+from components.training.model_on_rank import (
     ModelOnRank,
     SequenceShare,
     forward_backward,
@@ -31,7 +32,6 @@ from components.model_on_rank import (
     over_ranks,
     prepare_batch,
 )
-from components.tokenizer import Tokenizer
 
 logger = logging.getLogger("ingot")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from components.data.tokenizer import Tokenizer
 from components.evaluation.tasks import Task
-from components.tokenizer import Tokenizer
 
 IGNORE = -100
 """Label of a position whose token is not scored (cross_entropy's ignore_index)."""

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
-from components.loss import MultiTokenLogits
+from components.model.attention import CAUSAL, apply_rope, causal_attention, document_mask
+from components.training.loss import MultiTokenLogits
 from models.activations import activation
 from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
@@ -288,13 +288,14 @@ class Transformer(nn.Module):
     document masking as models.llama3.model.Transformer (whose docstring explains them).
 
     With num_mtp_layers, a training forward also runs the extra depths (`mtp`, after the final norm) and returns
-    a MultiTokenLogits (components/loss.py): each depth's input tokens are the inputs rolled k places left, whose
+    a MultiTokenLogits (components/training/loss.py): each depth's input tokens are the inputs rolled k places
+    left, whose
     last k positions wrap around; causal attention keeps them from the positions before, and the loss leaves their
     predictions out. The depths share the embedding and the output layer with the model. An eval-mode forward
     (validation, evaluation, generation) returns the next token's logits alone."""
 
     pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model_contract.py)."""
+    """The modules before and after the blocks (components/model/contract.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

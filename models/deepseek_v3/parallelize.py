@@ -24,8 +24,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from components.config import Config
-from components.distributed import ParallelDims
-from components.moe_layer import is_moe_layer
+from components.distributed.mesh import ParallelDims
+from components.model.moe_layer import is_moe_layer
 from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.expert_parallel import moe_tensor_parallel_plan
 from parallelisms.tensor_parallel import ReplicateParallel, tensor_parallel_styles

@@ -14,7 +14,7 @@ from models.moe import moe_args_from_config
 
 HF_MODEL_TYPES = ("gpt_oss",)
 """The Hugging Face model_types whose folders this family reads when nothing else names the family
-(components/hf.py)."""
+(components/hf/load.py)."""
 
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "sliding_window", "norm_eps", "rope_theta",

@@ -3,7 +3,7 @@ ModelArgs <-> the fields of its config.json (model_type gpt_oss).
 
 Every weight is only renamed: the experts are held in HF's own layout (gate and up columns interleaved, stacked over
 the experts, x @ W), so to_hf's tensors are the parameters themselves and loading into them fills the model
-(components/hf.py). The published checkpoints store the experts quantized (MXFP4: `*_blocks` and `*_scales`); ingot
+(components/hf/load.py). The published checkpoints store the experts quantized (MXFP4: `*_blocks` and `*_scales`); ingot
 reads them in the dequantized form transformers saves (`GptOssForCausalLM.from_pretrained(...,
 quantization_config=Mxfp4Config(dequantize=True))`, then save_pretrained). The routing bias of auxiliary-loss-free
 balancing (`expert_bias`) has no HF counterpart: it is exported without, and imported as zeros.

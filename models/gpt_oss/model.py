@@ -2,7 +2,7 @@
 a learned sink logit per head, sliding-window layers alternating with full ones (`layer_types`), YaRN RoPE, and a
 mixture of experts whose router and experts have biases and whose experts apply gpt-oss's clamped SwiGLU.
 
-The window is declared on each attention module (`attention_mask`, components/attention.py's AttentionMask), the
+The window is declared on each attention module (`attention_mask`, components/model/attention.py's AttentionMask), the
 sinks are passed to its `sdpa` (`sink_logits`): every kernel, context parallelism's included, honours both.
 Document masking, the meta-device build, `local_positions` and `sdpa` work as in models/llama3/model.py.
 """
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, document_mask
+from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, document_mask
 from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
 from models.moe import MoE, MoEArgs, use_grouped_mm
@@ -205,7 +205,7 @@ class Transformer(nn.Module):
     rotate-half layout, so an HF checkpoint's weights are used as they are."""
 
     pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model_contract.py)."""
+    """The modules before and after the blocks (components/model/contract.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

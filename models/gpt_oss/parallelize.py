@@ -5,7 +5,7 @@ checkpointing -> compile -> FSDP (the MoE layers' own units first).
 What differs from Qwen3-MoE: the attention's projections have biases (the column-wise ones are split with their
 heads, the row-wise `wo`'s is added once, after the sum over the ranks), and each rank holds the sink logits of its
 own heads (`shard_sink_logits`). The window and the sinks reach context parallelism through the attention
-modules' declaration and `sdpa` arguments (components/attention.py); every method honours them.
+modules' declaration and `sdpa` arguments (components/model/attention.py); every method honours them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from components.config import Config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
 from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.expert_parallel import moe_tensor_parallel_plan
 from parallelisms.tensor_parallel import tensor_parallel_styles

@@ -11,7 +11,8 @@ from models.llama3.model import ModelArgs, Transformer
 from models.llama3.parallelize import parallelize_llama as parallelize, tensor_parallel_plan
 
 HF_MODEL_TYPES = ("llama",)
-"""The Hugging Face model_types whose folders this family reads when nothing else names the family (components/hf.py;
+"""The Hugging Face model_types whose folders this family reads when nothing else names the family
+(components/hf/load.py;
 its exports, Qwen3's form under model.qk_norm included, name it in config.json). A fork that should not read them
 empties it."""
 

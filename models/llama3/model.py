@@ -7,7 +7,7 @@ Document masking: given the document number of every token of a packed window (`
 attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
 positions restart at 0 at each document. The mask is built once per forward for each mask the layers declare
 (`Attention.attention_mask`) and shared by the layers declaring it: a FlexAttention BlockMask on CUDA, a dense
-boolean mask for SDPA elsewhere (components/attention.py, shared by the model families).
+boolean mask for SDPA elsewhere (components/model/attention.py, shared by the model families).
 
 The model is built on the meta device and filled by `init_weights()` after it has been
 parallelized, so every method here works on plain tensors and on DTensors alike.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
+from components.model.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from models.activations import activation
 from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
@@ -70,7 +70,7 @@ class ModelArgs:
     @property
     def mup_width(self) -> float:
         """µP's width multiplier m = dim / mup_base_dim; 1 without µP. The block matrices' init std is
-        divided by sqrt(m) (here) and their lr by m (components/optim.py), the logits by m (Transformer).
+        divided by sqrt(m) (here) and their lr by m (components/training/optimizers.py), the logits by m (Transformer).
         All of them grow with dim (the feed-forward size too), so one m serves them all."""
         return self.dim / self.mup_base_dim if self.mup_base_dim else 1.0
 
@@ -119,7 +119,7 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Grouped-query attention. `sdpa` computes causal attention from q, k, v under the mask the module declares,
-    `attention_mask` (components/attention.py: full causal here; a fork sets a sliding window there), within
+    `attention_mask` (components/model/attention.py: full causal here; a fork sets a sliding window there), within
     documents given a document `mask` (whatever the model's `document_mask` built for that declaration). Context
     parallelism swaps `sdpa` for one that sees the keys and values of the whole sequence, reading the same
     declaration.
@@ -236,7 +236,7 @@ class Transformer(nn.Module):
     shard cuts through a head can load its own piece directly."""
 
     pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model_contract.py)."""
+    """The modules before and after the blocks (components/model/contract.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

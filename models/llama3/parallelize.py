@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from components.attention import qk_norm_tensor_parallel_plan
 from components.config import Config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
+from components.model.attention import qk_norm_tensor_parallel_plan
 from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.tensor_parallel import tensor_parallel_styles
 
@@ -25,7 +25,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     all-gather them, split their heads / hidden units over the ranks (column-wise in, row-wise out)
     and reduce-scatter back to sequence shards. The output layer leaves logits sharded over the
     vocabulary (Shard(-1)) for a loss computed without gathering them (loss parallel). QK-norm's weights
-    are replicated, their gradients summed over the ranks (components/attention.py)."""
+    are replicated, their gradients summed over the ranks (components/model/attention.py)."""
     Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
     plan = ends_tensor_parallel_plan(model, "tok_embeddings", "norm", "output")
     for name in model.layers:

@@ -14,7 +14,7 @@ from models.qwen3.parallelize import parallelize_qwen3 as parallelize, tensor_pa
 
 HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
 """The Hugging Face model_types whose folders this family reads when nothing else names the family
-(components/hf.py)."""
+(components/hf/load.py)."""
 
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings",

@@ -5,7 +5,7 @@ Qwen3ForCausalLM and Qwen3MoeForCausalLM, and ModelArgs <-> the fields of their 
 Dense weights are only renamed: RoPE is in HF's rotate-half layout (see model.Transformer). The
 experts of an MoE layer are one tensor per projection in ingot and one per expert in HF files
 (models/hf_experts.py, which reads transformers' fused in-memory form too); to_hf's are views of ingot's, so
-that loading into them fills the model (components/hf.py). The routing bias of auxiliary-loss-free balancing
+that loading into them fills the model (components/hf/load.py). The routing bias of auxiliary-loss-free balancing
 (`expert_bias`) has no HF counterpart: it is exported without, and imported as zeros.
 """
 

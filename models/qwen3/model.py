@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.attention import CAUSAL, apply_rope, causal_attention, document_mask
+from components.model.attention import CAUSAL, apply_rope, causal_attention, document_mask
 from models.activations import activation
 from models.decoder_init import init_decoder_ends
 from models.decoder_inputs import rope_and_masks
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
     Hugging Face's rotate-half layout, so an HF checkpoint's weights are used as they are."""
 
     pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model_contract.py)."""
+    """The modules before and after the blocks (components/model/contract.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

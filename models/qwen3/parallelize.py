@@ -16,10 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from components.attention import qk_norm_tensor_parallel_plan
 from components.config import Config
-from components.distributed import ParallelDims
-from components.moe_layer import is_moe_layer
+from components.distributed.mesh import ParallelDims
+from components.model.attention import qk_norm_tensor_parallel_plan
+from components.model.moe_layer import is_moe_layer
 from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
 from parallelisms.expert_parallel import moe_tensor_parallel_plan
 from parallelisms.tensor_parallel import tensor_parallel_styles
@@ -32,7 +32,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output), plus:
 
     - the QK-norms, whose weights are replicated and their gradients summed over the tp ranks, which
-      hold different heads (components/attention.py, qk_norm_tensor_parallel_plan).
+      hold different heads (components/model/attention.py, qk_norm_tensor_parallel_plan).
     - an MoE feed-forward routes this rank's sequence shard through whole experts."""
     Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
     plan = ends_tensor_parallel_plan(model, "tok_embeddings", "norm", "output")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from components.config import ConfigError, load_config
+from models.families import model_config_class
 from scripts.benchmark.cases import PRESETS, Case
 from scripts.benchmark.run import Result, cpu_load, device_name, git_commit, run_case, train_argv
 from scripts.benchmark.torchtitan_run import run_torchtitan
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.torchtitan and importlib.util.find_spec("torchtitan") is None:
             raise ConfigError("--torchtitan needs TorchTitan, which is not installed here: pip install "
                               "torchtitan==0.3.0 (it trains on CUDA GPUs only)")
-        load_config(extra)  # a misspelt flag stops here, not once per case
+        load_config(extra, model_config_class)  # a misspelt flag stops here, not once per case
         cases = selected_cases(preset.cases, opts.cases)
         case_flags = flags_by_case(opts.case_flags, cases)
     except ConfigError as e:

@@ -12,7 +12,7 @@ shows the largest rank's memory and the slowest rank's seconds (the ranks wait f
 plain causal attention (the fused kernel). With `--documents MEAN`, under document masking: each row packed
 with documents of random lengths, MEAN tokens on average (seeded), the shares by documents; degree 1 is then
 the model's masked attention of the whole sequence. With `--window W`, every query sees only the last W keys
-(the sliding window a model declares, components/attention.py), with or without documents. With
+(the sliding window a model declares, components/model/attention.py), with or without documents. With
 `--learned-sinks`, the attention has a learned sink logit per head (gpt-oss's; zeros here), applied through each
 kernel's log-sum-exp. Linux only (/proc).
 """
@@ -77,7 +77,7 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
 
 def _measure_methods(rank: int, cp: int, mesh, shape: dict) -> list[str]:
     """`method rank peak seconds` of each method on this rank."""
-    from components.attention import AttentionMask, causal_attention, document_mask
+    from components.model.attention import AttentionMask, causal_attention, document_mask
     from parallelisms.context_parallel import (
         allgather_kv_attention,
         alltoall_attention,
@@ -115,7 +115,7 @@ def learned_sinks(shape: dict) -> dict:
 
 
 def one_process(shape: dict) -> tuple[int, float]:
-    from components.attention import AttentionMask, causal_attention, document_mask
+    from components.model.attention import AttentionMask, causal_attention, document_mask
 
     torch.set_num_threads(1)
     q, k, v = (torch.randn(shape["batch"], heads, shape["seq"], shape["head_dim"])

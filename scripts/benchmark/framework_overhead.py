@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 import train
 from components.config import load_config
-from components.metrics import read_metrics
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
+from components.metrics.reporting import read_metrics
+from models.families import model_config_class
 from models.llama3 import Transformer, build_model_args
 
 
@@ -39,7 +40,7 @@ def ingot_tokens_per_second(steps: int, warmup: int, extra: list[str]) -> float:
 
 
 def bare_tokens_per_second(steps: int, warmup: int, extra: list[str]) -> float:
-    config = load_config(["--job.config_file", "debug_model.toml", *extra])
+    config = load_config(["--job.config_file", "debug_model.toml", *extra], model_config_class)
     training = config.training
     args = build_model_args(config, build_tokenizer(config.model.tokenizer_path).vocab_size)
     torch.manual_seed(training.seed)

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from components.batch import batch_plan
 from components.config import REPO_ROOT, Config, ConfigError, load_config
-from components.distributed import ParallelDims
-from components.metrics import read_metrics
+from components.data.batch_plan import batch_plan
+from components.distributed.mesh import ParallelDims
+from components.metrics.reporting import read_metrics
+from models.families import model_config_class
 from scripts.benchmark.cases import Case
 from scripts.sweep.launch import ERROR_LINE, error_summary
 
@@ -160,7 +161,7 @@ def run_case(case: Case, extra: list[str], steps: int, warmup: int, timeout: flo
     argv = train_argv(case, [*extra, *(profiling_flags(last_step) if trace is not None else [])], last_step, dump)
     result = Result(case.name, processes=processes, command=launch_command(processes, ["train.py", *argv]))
     try:
-        config = load_config(argv)
+        config = load_config(argv, model_config_class)
         plan = batch_plan(config.training, ParallelDims.from_config(config.parallelism, processes).dp)
     except ConfigError as e:
         result.status = f"failed: config error: {e}"

@@ -50,7 +50,7 @@ def children(pid: int) -> list[int]:
 def one_rank(args: argparse.Namespace) -> None:
     """Run as a rank: build the loader, take the batches, print the figures as one JSON line."""
     from components.data.streaming import build_streaming_dataloader
-    from components.tokenizer import build_tokenizer
+    from components.data.tokenizer import build_tokenizer
 
     start, cpu_before = time.perf_counter(), cpu_seconds(os.getpid())
     rchar_before, memory_before = proc_stat(os.getpid())

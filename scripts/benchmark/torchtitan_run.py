@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from components.config import REPO_ROOT, Config, load_config
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
+from models.families import model_config_class
 from models.llama3 import build_model_args
 from scripts.benchmark.run import failure, harmonic_mean, run_logged
 
@@ -99,7 +100,7 @@ def run_torchtitan(argv: list[str], processes: int, warmup: int, timeout: float,
     if not (tokenizer_dir / "tokenizer.json").exists():
         write_byte_tokenizer(tokenizer_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    mapped = settings(load_config(argv), tokenizer_dir, folder)
+    mapped = settings(load_config(argv, model_config_class), tokenizer_dir, folder)
     if isinstance(mapped, str):
         return {"status": mapped}
     # torchtitan's trainer expects torchrun's environment, even for one process.

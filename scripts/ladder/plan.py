@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from components.config import Config, ConfigError, load_config
-from components.model_package import import_model_package
+from models.families import import_model_package, model_config_class
 from scripts.ladder.spec import Budget, Ladder, LadderError
 from scripts.memory_estimate import cpu_baseline_bytes, default_target, estimate
 from scripts.memory_estimate.estimator import vocab_size
@@ -59,7 +59,7 @@ def short_flops(value: float) -> str:
 
 def resolve(base: Path, overrides: dict[str, object], where: str) -> Config:
     try:
-        return load_config(["--job.config_file", str(base), *cli_args(overrides)])
+        return load_config(["--job.config_file", str(base), *cli_args(overrides)], model_config_class)
     except (ConfigError, SweepError) as e:
         raise LadderError(f"{where}: {e}") from None
 
@@ -74,7 +74,7 @@ def count_params(config: Config, vocab: int, where: str) -> tuple[int, int]:
     with torch.device("meta"):
         model = package.Transformer(args)
     total = sum(p.numel() for p in model.parameters())
-    embedding = model.pipeline_ends[0]  # the modules before the blocks (components/model_contract.py)
+    embedding = model.pipeline_ends[0]  # the modules before the blocks (components/model/contract.py)
     n_params = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
                    if name.split(".")[0] not in embedding)
     return n_params, total

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from components.config import ConfigError, load_config
+from models.families import model_config_class
 from scripts.memory_estimate import cpu_baseline_bytes, default_target, estimate
 
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                         "machine has it or the config computes in half precision, else cpu)")
     args, config_args = parser.parse_known_args(argv)
     try:
-        config = load_config(config_args)
+        config = load_config(config_args, model_config_class)
         # Before anything else is built: this process is then what the trainer is before training.
         baseline = cpu_baseline_bytes(config) if (args.target or default_target(config)) == "cpu" else None
         result = estimate(config, args.world_size, args.target, baseline)

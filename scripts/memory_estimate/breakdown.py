@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from components.config import Config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
 from scripts.memory_estimate.simulation import Simulation
 
 GiB = 2**30

@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from components.batch import batch_plan
 from components.config import DTYPES, REPO_ROOT, Config, ConfigError
+from components.data.batch_plan import batch_plan
 from components.data.loaders import validation_sources
 from components.data.sources import reader_libraries
-from components.distributed import ParallelDims
-from components.layout_checks import uses_fsdp
-from components.metrics import peak_rss_bytes
-from components.model_contract import blocks_name, check_model_contract
-from components.model_package import import_model_package
-from components.moe_layer import moe_layers
+from components.distributed.mesh import ParallelDims
+from components.metrics.reporting import peak_rss_bytes
+from components.model.contract import blocks_name, check_model_contract
+from components.model.layout_checks import uses_fsdp
+from components.model.moe_layer import moe_layers
+from models.families import import_model_package
 from parallelisms.pipeline import family_split, is_multi_stage
 from scripts.memory_estimate.breakdown import (
     Layout,
@@ -49,7 +49,7 @@ def vocab_size(config: Config) -> tuple[int, str | None]:
     """The tokenizer's vocabulary, or Llama 3's when the tokenizer file is not on this machine."""
     if getattr(config.model, "vocab_size", None) is not None:  # a [model] key of the family, if it has one
         return config.model.vocab_size, None
-    from components.tokenizer import build_tokenizer
+    from components.data.tokenizer import build_tokenizer
 
     if not Path(config.model.tokenizer_path).exists():
         return LLAMA3_VOCAB, (f"tokenizer {config.model.tokenizer_path} not found: vocabulary of {LLAMA3_VOCAB} "

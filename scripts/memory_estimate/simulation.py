@@ -14,9 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from components.attention import CAUSAL, attention_layers
-from components.loss import MultiTokenLoss, cross_entropy_loss
-from components.moe_layer import moe_layers
+from components.model.attention import CAUSAL, attention_layers
+from components.model.moe_layer import moe_layers
+from components.training.loss import MultiTokenLoss, cross_entropy_loss
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import (
     attach_context_parallel,

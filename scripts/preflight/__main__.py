@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from components.config import ConfigError, load_config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
+from models.families import model_config_class
 from scripts.preflight.predict import Cluster, Step, assumptions, duration, load_cluster, predict
 from scripts.preflight.rank import RankReport, default_ranks, run_ranks
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="h100, h200, or a TOML file of changes to one (scripts/preflight/predict.py's Cluster)")
     args, config_args = parser.parse_known_args(argv)
     try:
-        config = load_config(config_args)
+        config = load_config(config_args, model_config_class)
         dims = ParallelDims.from_config(config.parallelism, args.world_size)
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else default_ranks(dims)
         if bad := [r for r in ranks if not 0 <= r < args.world_size]:

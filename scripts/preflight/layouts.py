@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.config import ConfigError, load_config
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
+from models.families import model_config_class
 from scripts.ac_modes import ac_flags
 from scripts.memory_estimate import estimate
 from scripts.preflight.predict import Cluster, Prediction, Step, duration, predict
@@ -56,7 +57,7 @@ def predict_layouts(base_args: list[str], world_size: int, budget_gib: float, cl
     layouts = candidates(world_size, cluster, ac_modes, batches, list(pp_degrees))
     for layout in layouts:
         try:
-            config = load_config([*base_args, *layout.args(world_size)])
+            config = load_config([*base_args, *layout.args(world_size)], model_config_class)
             dims = ParallelDims.from_config(config.parallelism, world_size)
             layout.estimate_gib = estimate(config, world_size, "cuda").total_gib
             if layout.estimate_gib > budget_gib:

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from components.config import Config, ConfigError
-from components.distributed import ParallelDims
+from components.distributed.mesh import ParallelDims
 from parallelisms.pipeline import family_split
 
 

@@ -22,10 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.batch import batch_plan
 from components.config import Config
-from components.distributed import ParallelDims
-from components.metrics import GPU_PEAK_TFLOPS
+from components.data.batch_plan import batch_plan
+from components.distributed.mesh import ParallelDims
+from components.metrics.reporting import GPU_PEAK_TFLOPS
 from scripts.preflight.collectives import Collective, is_data_parallel
 
 if sys.version_info >= (3, 11):

@@ -33,15 +33,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from components.batch import batch_plan
 from components.config import Config, ConfigError
-from components.distributed import ParallelDims
-from components.fault_tolerance import NoReplicas
-from components.layout_checks import check_model_supported, check_supported
-from components.model_on_rank import local, prepare_batch
-from components.model_package import import_model_package
-from components.moe_layer import has_moe_layer
-from components.optim import Optimizers
+from components.data.batch_plan import batch_plan
+from components.distributed.fault_tolerance import NoReplicas
+from components.distributed.mesh import ParallelDims
+from components.model.layout_checks import check_model_supported, check_supported
+from components.model.moe_layer import has_moe_layer
+from components.training.model_on_rank import local, prepare_batch
+from components.training.optimizers import Optimizers
+from models.families import import_model_package
 from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import Float8ScalePrecompute, pays_in_float8
 from parallelisms.pipeline import family_split

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from components.model_on_rank import local
-from components.moe_layer import moe_layers
+from components.model.moe_layer import moe_layers
+from components.training.model_on_rank import local
 
 
 def even(total: int, parts: int) -> list[int]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from components.checkpoint.durable import fsync_path
 from components.data.packed_format import SPLITS, ShardWriter
-from components.durable import fsync_path
 from scripts.preprocess.distributed import EXCHANGE_FILE, FOLDER_PREFIX
 from scripts.preprocess.errors import UsageError
 

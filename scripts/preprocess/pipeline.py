@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from components.checkpoint.durable import fsync_path
 from components.data.packed_format import SPLITS, token_dtype, tokenizer_fingerprint, write_manifest
-from components.durable import fsync_path
-from components.tokenizer import Tokenizer, build_tokenizer
+from components.data.tokenizer import Tokenizer, build_tokenizer
 from scripts.preprocess.distributed import World, assign_files
 from scripts.preprocess.errors import EXIT_FAILED, EXIT_OK, ReadError, UsageError
 from scripts.preprocess.inputs import Source, check_sources, expand_inputs, read_tasks, source_bytes

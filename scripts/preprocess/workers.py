@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from components.data.packed_format import token_dtype
-from components.tokenizer import build_tokenizer
+from components.data.tokenizer import build_tokenizer
 
 REASONS = {  # why a line was skipped: key in the manifest -> words in messages
     "empty_line": "empty line",

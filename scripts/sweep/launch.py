@@ -22,7 +22,7 @@ from typing import IO
 import torch
 
 from components.config import REPO_ROOT, git_commit
-from components.metrics import read_metrics
+from components.metrics.reporting import read_metrics
 from scripts.sweep.plan import Run, Sweep, SweepError
 from scripts.sweep.state import next_action, read_state, write_state
 
@@ -101,7 +101,7 @@ def _now() -> str:
 
 def _trainer_lines(stderr: str) -> list[str]:
     """A failed run's stderr up to plain torchrun's own traceback of the failure, if any: run_train.sh's launcher
-    (components/launch.py) prints none, but scripts.benchmark runs plain torchrun. Its warnings can come before the
+    (components/run/launch.py) prints none, but scripts.benchmark runs plain torchrun. Its warnings can come before the
     failed worker's last lines, so they are kept."""
     lines = stderr.splitlines()
     end = next((i for i, line in enumerate(lines) if "ChildFailedError" in line), len(lines))

@@ -14,6 +14,7 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from components.config import REPO_ROOT, Config, ConfigError, load_config, resolve_config_file
+from models.families import model_config_class
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -210,7 +211,7 @@ def read_sweep(sweep_path: str | Path, output: str | Path | None = None) -> Swee
         merged = common | overrides
         args = ["--job.config_file", str(base), "--job.dump_folder", str(dump), *cli_args(merged)]
         try:
-            config = load_config(args)
+            config = load_config(args, model_config_class)
         except ConfigError as e:
             raise SweepError(f"{sweep_path}: run {name}: {e}") from None
         runs.append(Run(name, overrides, merged, dump, config, [str(RUN_TRAIN), *args]))

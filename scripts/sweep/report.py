@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.batch import batch_plan
 from components.config import Config, ConfigError, load_config
-from components.distributed import ParallelDims
-from components.metrics import read_metrics
+from components.data.batch_plan import batch_plan
+from components.distributed.mesh import ParallelDims
+from components.metrics.reporting import read_metrics
+from models.families import model_config_class
 from scripts.sweep.plan import Sweep, SweepError, flatten, name_value
 from scripts.sweep.state import last_logged_step, newest_checkpoint, read_state
 
@@ -126,7 +127,7 @@ def _dump_tokens_per_step(dump: Path, state: dict) -> int | None:
     """Tokens per step of a run folder, from the config.toml train.py wrote there; None where that config
     no longer loads (say a key that this version does not know)."""
     try:
-        config = load_config(["--job.config_file", str(dump / "config.toml")])
+        config = load_config(["--job.config_file", str(dump / "config.toml")], model_config_class)
     except ConfigError:
         return None
     return tokens_per_step(config, _world_size_of(dump, state, config.checkpoint.folder))

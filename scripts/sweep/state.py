@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from components.metrics import read_metrics
+from components.metrics.reporting import read_metrics
 from scripts.sweep.plan import Run
 
 STATE_FILE = "sweep_run.json"
@@ -34,7 +34,7 @@ def last_logged_step(steps: int, log_freq: int) -> int:
 
 
 def newest_checkpoint(dump: Path, folder: str = "checkpoint") -> int | None:
-    """The step of the newest complete checkpoint (the rule of components.checkpoint.step_folders:
+    """The step of the newest complete checkpoint (the rule of components.checkpoint.dcp.step_folders:
     DCP writes .metadata last), read from the folder names alone."""
     steps = [int(p.name[5:]) for p in (dump / folder).glob("step-*")
              if p.name[5:].isdigit() and (p / ".metadata").is_file()]

@@ -1,0 +1,90 @@
+"""Loading Hugging Face weights into ingot models: what a training run and a notebook import.
+
+`load_hf_weights` fills a run's (sharded, possibly pipeline-split) model from an HF folder at start-up
+(`--checkpoint.initial_load_path HFDIR`); models/families.py's `load_hf_model(HFDIR)` builds a whole ingot model
+from one, of the family it finds for the folder. The model-specific part (parameter names, config.json fields)
+comes from
+the model package: models/<name>/ exports HF_MODEL_TYPES, to_hf, from_hf, hf_config, model_args_from_hf and
+HF_CONFIG_KEYS; nothing here names a family. The converter between DCP checkpoints and HF
+folders is scripts/hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from components.checkpoint.dcp import ModelState
+from components.config import ConfigError
+
+INGOT_MODEL = "ingot_model"
+"""The config.json field in which ingot's export names the family that wrote the folder (transformers keeps such
+a field as an attribute of the config and ignores it)."""
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every .safetensors file of an HF folder, as stored."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def hf_weight_names(folder: str | Path) -> set[str]:
+    """The tensor names of an HF folder's .safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> None:
+    """Fail, naming the field and the ingot config key to change, unless the HF config describes the
+    same model as `args` (first of all, one of the same model_type)."""
+    ours = package.hf_config(args)
+    if hf.get("model_type") != ours["model_type"]:
+        raise ConfigError(
+            f"the Hugging Face model in {source} has model_type = {json.dumps(hf['model_type'])} but the ingot "
+            f"config gives {json.dumps(ours['model_type'])}: set model.name to the family that reads it (its "
+            "HF_MODEL_TYPES, docs/models.md) and model.flavor to match"
+        )
+    theirs = package.hf_config(package.model_args_from_hf(hf))
+    for field, config_key in package.HF_CONFIG_KEYS.items():
+        if ours.get(field) != theirs.get(field):
+            raise ConfigError(
+                f"the Hugging Face model in {source} has {field} = {json.dumps(theirs.get(field))} but the ingot "
+                f"config gives {json.dumps(ours.get(field))}: set {config_key} (or the flavor) to match"
+            )
+
+
+def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleType, args) -> None:
+    """Load the weights of an HF folder into this rank's (sharded, possibly pipeline-split) model
+    parts. The parts' state dict is renamed to HF names and DCP reads it through torch's
+    HuggingFaceStorageReader, which reads from the safetensors files only the slices of this rank's
+    shards: nothing is materialized whole. DCP loads in place and to_hf's tensors are the parameters
+    or views of them (e.g. one expert of a stacked experts' tensor), so this fills the parameters."""
+    check_hf_config(package, args, read_hf_config(path), path)
+    hf_state = package.to_hf(ModelState(model_parts).state_dict(), args)  # only the keys this rank's parts hold
+    missing = sorted(set(hf_state) - hf_weight_names(path))
+    if missing:  # e.g. layers the config adds (multi-token prediction's) that the checkpoint does not have
+        raise ConfigError(f"the Hugging Face model in {path} lacks {len(missing)} weight(s) of this model, first "
+                          f"{missing[0]}: its config and the ingot config agree, but not its files")
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
