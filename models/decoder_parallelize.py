@@ -25,13 +25,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from components.config import DTYPES, Config, ConfigError
 from components.distributed.mesh import ParallelDims
 from components.model.layout_checks import uses_fsdp
+from components.model.moe_layer import is_moe_layer
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
-from parallelisms.expert_parallel import apply_expert_parallel, shard_moe
+from parallelisms.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan, shard_moe
 from parallelisms.float8 import convert_to_float8, gathers_float8
 from parallelisms.fsdp import apply_fsdp
-from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
+from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel, tensor_parallel_styles
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config, device: torch.device,
@@ -98,6 +99,21 @@ def ends_tensor_parallel_plan(model: nn.Module, embedding: str, norm: str, outpu
     if getattr(model, output) is not None:
         plan[output] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     return plan
+
+
+def feed_forward_tensor_parallel_plan(prefix: str, feed_forward: nn.Module, float8_comm: bool) -> dict:
+    """The plan of the feed-forward at `prefix` (a block's): a mixture of experts routes this rank's sequence shard
+    through whole experts (parallelisms/expert_parallel.py); a SwiGLU one gathers the sequence, splits its hidden
+    units column-wise in (w1, w3) and row-wise out (w2), and reduce-scatters back to sequence shards."""
+    if is_moe_layer(feed_forward):
+        return {prefix: moe_tensor_parallel_plan()}
+    Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
+    return {
+        prefix: PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        f"{prefix}.w1": Colwise(),
+        f"{prefix}.w2": Rowwise(output_layouts=Shard(1)),
+        f"{prefix}.w3": Colwise(),
+    }
 
 
 def tp_divides_heads(model: nn.Module, tp: int) -> None:

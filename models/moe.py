@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.activations import activation
+from models.decoder import FeedForward
 
 
 @dataclass
@@ -158,8 +159,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=std)
         for w in (self.w2, self.w3):
             nn.init.trunc_normal_(w, mean=0.0, std=out_std)
 
@@ -175,25 +176,6 @@ class GroupedExperts(nn.Module):
         for i, chunk in enumerate(x.split(counts)):
             outputs.append((self.act(chunk @ w1[i].T) * (chunk @ w3[i].T)) @ w2[i].T)
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
-
-
-class SharedExperts(nn.Module):
-    """The feed-forward every token goes through besides its routed experts."""
-
-    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
-        super().__init__()
-        self.act = activation(hidden_act)
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class LocalDispatch:
@@ -215,7 +197,7 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = (experts if experts is not None
                         else GroupedExperts(dim, args.hidden_dim, args.num_experts, args.hidden_act))
-        self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts, args.hidden_act)
+        self.shared_experts = (FeedForward(dim, args.hidden_dim * args.num_shared_experts, args.hidden_act)
                                if args.num_shared_experts else None)
         self.dispatcher = LocalDispatch()
         # The routing bias is state to checkpoint; the counts and the auxiliary loss are
@@ -235,13 +217,13 @@ class MoE(nn.Module):
     def bias_update_speed(self) -> float:
         return self.args.bias_update_speed
 
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=std)
         if self.router.gate.bias is not None:
             nn.init.zeros_(self.router.gate.bias)
-        self.experts.init_weights(out_std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(out_std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_experts is not None:  # the feed-forward every token goes through besides its routed experts
+            self.shared_experts.init_weights(std, out_std)
         self.expert_bias.zero_()
         self.reset_tally()
 
@@ -295,3 +277,11 @@ def record_routing(moe: MoE, counts: torch.Tensor, aux_loss: torch.Tensor) -> No
         moe.tokens_per_expert.add_(counts.float())
         moe.aux_loss_sum.add_(aux_loss.detach())
         moe.forwards.add_(1)
+
+
+def dense_or_moe(layer_id: int, args) -> nn.Module:
+    """The feed-forward of block `layer_id`: in the blocks `args.is_moe_layer` picks a mixture of experts, its experts
+    taking the model's activation; in the others SwiGLU with args.ffn_dim hidden units (models/decoder.py)."""
+    if args.is_moe_layer(layer_id):
+        return MoE(args.dim, replace(args.moe, hidden_act=args.hidden_act))
+    return FeedForward(args.dim, args.ffn_dim, args.hidden_act)

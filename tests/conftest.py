@@ -122,20 +122,25 @@ def sliding_window_fork(root: Path) -> str:
 
 RENAMES = {  # file of a family: (its text, the fork's); HF's own names (model.layers.N...) stay
     "model.py": [("tok_embeddings", "embed"), ("self.layers", "self.blocks")],
+    "decoder.py": [("tok_embeddings", "embed"), ("self.layers", "self.blocks")],
     "parallelize.py": [("tok_embeddings", "embed"), ("model.layers", "model.blocks"), ('f"layers.{', 'f"blocks.{')],
-    "hf_mapping.py": [("tok_embeddings", "embed"), ('r"layers\\.', 'r"blocks\\.'), ('r"(layers\\.', 'r"(blocks\\.'),
-                      ('f"layers.{', 'f"blocks.{')],
+    "hf_mapping.py": [("tok_embeddings", "embed"), ('blocks="layers"', 'blocks="blocks"'),
+                      ('r"layers\\.', 'r"blocks\\.'), ('r"(layers\\.', 'r"(blocks\\.'), ('f"layers.{', 'f"blocks.{')],
 }
 
 
 def fork_with_renamed_modules(root: Path, family: str = "llama3", name: str = "renamed") -> Path:
     """models/<family> copied to `root`/models/<name>, its imports pointed at the copy, with `blocks` for `layers`
     and `embed` for `tok_embeddings` (declared through the model contract, components/model/contract.py, as its
-    `transformer_blocks()` and `pipeline_ends`), in its Hugging Face mapping and tensor-parallel plan too."""
+    `transformer_blocks()` and `pipeline_ends`), in its Hugging Face mapping and tensor-parallel plan too. The
+    decoder around the blocks is shared code (models/decoder.py), which the fork copies into its folder to rename
+    its modules, as docs/models.md says a fork replaces a shared piece."""
     fork = root / "models" / name
     shutil.copytree(REPO / "models" / family, fork, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "models" / "decoder.py", fork / "decoder.py")
     for path in fork.glob("*.py"):
         text = path.read_text().replace(f"models.{family}", f"models.{name}")
+        text = text.replace("from models.decoder import", f"from models.{name}.decoder import")
         for old, new in RENAMES.get(path.name, []):
             text = text.replace(old, new)
         path.write_text(text)
@@ -194,6 +199,14 @@ def losses(dump: Path) -> dict[int, float]:
 
 def val_losses(dump: Path) -> dict[int, float]:
     return {m["step"]: m["val_loss"] for m in metric_lines(dump) if "val_loss" in m}
+
+
+@pytest.fixture
+def documents_clone(tmp_path_factory) -> Path:
+    """The folder, shared by the pytest-xdist workers of this run, where the documented commands run in one clone
+    (tests/docs_commands.py, `run_first` and `run_share`)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "documented_commands"
 
 
 @pytest.fixture

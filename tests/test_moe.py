@@ -27,7 +27,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 def tiny_moe(seed: int = 0, **overrides) -> MoE:
     torch.manual_seed(seed)
     moe = MoE(DIM, MoEArgs(**({"num_experts": 8, "top_k": 2, "hidden_dim": 24} | overrides)))
-    moe.init_weights(out_std=0.1)
+    moe.init_weights(std=0.02, out_std=0.1)
     return moe
 
 
@@ -217,7 +217,7 @@ def test_grouped_mm_experts_match_the_loop_on_a_gpu():
 
     torch.manual_seed(0)
     experts = GroupedExperts(64, 128, 8).cuda().to(torch.bfloat16)
-    experts.init_weights(out_std=0.05)
+    experts.init_weights(std=0.02, out_std=0.05)
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     counts = [0, 37, 80, 3, 60, 20, 100, 0]  # empty experts too
     assert use_grouped_mm(x)

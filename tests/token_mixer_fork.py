@@ -81,22 +81,20 @@ EDITS = {
          "from components.model.attention import"),
         ('    mup_base_dim: int | None = None\n',
          '    mup_base_dim: int | None = None\n    token_mixer: str = "none"\n'),
-        ("\n\nclass TransformerBlock(nn.Module):", MIXERS + "\n\nclass TransformerBlock(nn.Module):"),
-        ("        self.attention = Attention(args)\n",
-         "        self.attention = Attention(args)\n        self.inline_shift = args.token_mixer == 'inline_shift'\n"
+        ("\n\nclass TransformerBlock(DecoderBlock):", MIXERS + "\n\nclass TransformerBlock(DecoderBlock):"),
+        ("                         width_scale=args.mup_width**-0.5)  # 1 without µP\n",
+         "                         width_scale=args.mup_width**-0.5)  # 1 without µP\n"
+         "        self.inline_shift = args.token_mixer == 'inline_shift'\n"
          "        if args.token_mixer in TOKEN_MIXERS:\n"
-         "            self.mixer = TOKEN_MIXERS[args.token_mixer](args)\n"),
-        ("        self.attention.init_weights(self.std, self.out_std)\n",
-         "        self.attention.init_weights(self.std, self.out_std)\n        if hasattr(self, 'mixer'):\n"
-         "            self.mixer.init_weights()\n"),
-        ("                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:\n"
-         "        # mask by keyword",
-         "                mask: torch.Tensor | BlockMask | None = None, document_ids=None) -> torch.Tensor:\n"
+         "            self.mixer = TOKEN_MIXERS[args.token_mixer](args)\n\n"
+         "    def init_weights(self) -> None:\n"
+         "        super().init_weights()\n"
+         "        if hasattr(self, 'mixer'):\n"
+         "            self.mixer.init_weights()\n\n"
+         "    def forward(self, x, rope, mask=None, document_ids=None):\n"
          "        if self.inline_shift:\n            x = x + 0.5 * F.pad(x, (0, 0, 1, 0))[:, :-1]\n"
          "        if hasattr(self, 'mixer'):\n            x = x + self.mixer(x, document_ids=document_ids)\n"
-         "        # mask by keyword"),
-        ("h = block(h, rope, mask=masks.get(block.attention.attention_mask))",
-         "h = block(h, rope, mask=masks.get(block.attention.attention_mask), document_ids=document_ids)"),
+         "        return super().forward(x, rope, mask=mask)\n"),
     ],
     "config.py": [("    qk_norm: bool = False\n",
                    '    qk_norm: bool = False\n    token_mixer: str = "none"\n'

@@ -13,12 +13,12 @@ otherwise left out.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 from models.activations import ACTIVATIONS
 from models.deepseek_v3.flavors import flavors
 from models.deepseek_v3.model import ModelArgs
 from models.hf_experts import experts_from_hf, experts_to_hf
+from models.hf_mapping import HFNames, as_flavor
 from models.moe import MoEArgs
 
 _TOP_LEVEL = {
@@ -46,8 +46,7 @@ _IN_BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
+NAMES = HFNames("DeepSeek-V3", _TOP_LEVEL, _IN_BLOCK, blocks="layers")
 
 HF_CONFIG_KEYS = {
     "model_type": "model.name",
@@ -92,29 +91,20 @@ _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": 
 def hf_name(name: str, n_layers: int) -> str:
     """The HF name of an ingot parameter or buffer other than the routed experts'; a multi-token prediction depth k
     is HF's layer n_layers + k."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _IN_BLOCK:
-        return f"model.layers.{match[1]}.{_IN_BLOCK[match[2]]}"
     match = re.fullmatch(r"mtp\.(\d+)\.(block\.)?(.+)", name)
     if match and (_IN_BLOCK if match[2] else _MTP).get(match[3]):
         return f"model.layers.{n_layers + int(match[1])}.{(_IN_BLOCK if match[2] else _MTP)[match[3]]}"
-    raise KeyError(f"{name} has no Hugging Face DeepSeek-V3 name")
+    return NAMES.hf_name(name)
 
 
 def ingot_name(name: str, n_layers: int) -> str:
     """The ingot name of an HF DeepSeek-V3 tensor other than the routed experts' (the inverse of hf_name)."""
-    if name in _FROM_HF_TOP_LEVEL:
-        return _FROM_HF_TOP_LEVEL[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and int(match[1]) < n_layers and match[2] in _FROM_HF_IN_BLOCK:
-        return f"layers.{match[1]}.{_FROM_HF_IN_BLOCK[match[2]]}"
-    if match and match[2] in _FROM_HF_IN_BLOCK:
-        return f"mtp.{int(match[1]) - n_layers}.block.{_FROM_HF_IN_BLOCK[match[2]]}"
+    if match and int(match[1]) >= n_layers and match[2] in NAMES.from_hf_in_block:
+        return f"mtp.{int(match[1]) - n_layers}.block.{NAMES.from_hf_in_block[match[2]]}"
     if match and match[2] in _FROM_HF_MTP:
         return f"mtp.{int(match[1]) - n_layers}.{_FROM_HF_MTP[match[2]]}"
-    raise KeyError(f"{name} is not a DeepSeek-V3 weight ingot knows")
+    return NAMES.ingot_name(name)
 
 
 def _block_index(name: str, n_layers: int) -> str:
@@ -282,24 +272,4 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                     topk_groups=config.get("topk_group", 4)),
         **_rope(config),
     )
-    flavor = infer_flavor(args)
-    if flavor is None:
-        return args
-    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
-
-
-def infer_flavor(args: ModelArgs) -> str | None:
-    """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in flavors.items():
-        if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
-            return name
-    return None
-
-
-def architecture(args: ModelArgs) -> dict:
-    """The HF_CONFIG_KEYS fields of hf_config(args): what two configs must share to be one model."""
-    try:
-        config = hf_config(args)
-    except ValueError:  # no HF form (softmax routing): the dataclass fields say it
-        return {"args": replace(args, max_seq_len=0)}
-    return {key: config.get(key) for key in HF_CONFIG_KEYS}
+    return as_flavor(args, flavors, hf_config, HF_CONFIG_KEYS)

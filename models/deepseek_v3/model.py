@@ -14,26 +14,23 @@ RoPE follows the Hugging Face config: `rope_interleave` rotates the pairs (x0, x
 weights are laid out, otherwise the rotate-half pairs (x[i], x[i + d/2]). With `rope_factor` > 1 the
 frequencies are YaRN's (transformers' arithmetic), otherwise plain.
 
-Document masking, the meta-device build, `local_positions` and `sdpa` work as in models/llama3/model.py (see its
-docstrings); every method works on plain tensors and on DTensors alike.
+The decoder around the blocks (embedding, norm, output, document masking, the meta-device build and `init_weights`)
+is every family's, models/decoder.py; `sdpa` works as in models/llama3/model.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, apply_rope, causal_attention, document_mask
+from components.model.attention import CAUSAL, apply_rope, causal_attention
 from components.training.loss import MultiTokenLogits
-from models.activations import activation
-from models.decoder_init import init_decoder_ends
-from models.decoder_inputs import rope_and_masks
-from models.moe import MoE, MoEArgs
+from models.decoder import Decoder, DecoderBlock
+from models.moe import MoEArgs, dense_or_moe
 from parallelisms.tensor_parallel import local_for_own_heads
 
 
@@ -177,10 +174,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * args.v_head_dim, args.dim, bias=False)
         self.softmax_scale_factor = args.softmax_scale_factor  # once, not at every forward
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float) -> None:
         projections = (self.wq_a, self.wq_b) if self.args.q_lora_rank else (self.wq,)
         for linear in (*projections, self.wkv_a, self.wkv_b):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
         self.kv_norm.reset_parameters()
         if self.args.q_lora_rank:
@@ -212,49 +209,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """Gated: w2(act(w1 x) * w3 x), SwiGLU with act = silu."""
+class TransformerBlock(DecoderBlock):
+    """DeepSeek-V3's block: multi-head latent attention, and a SwiGLU feed-forward (models/decoder.py) or, in the
+    blocks `ModelArgs.is_moe_layer` picks, a mixture of experts with shared experts."""
 
-    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
-        super().__init__()
-        self.act = activation(hidden_act)
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.attention = Attention(args)
-        if args.is_moe_layer(layer_id):  # its experts take the model's activation
-            self.feed_forward = MoE(args.dim, replace(args.moe, hidden_act=args.hidden_act))
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.hidden_act)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
-        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        attention = Attention(args)
+        super().__init__(attention, dense_or_moe(layer_id, args), layer_id, args)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -283,57 +244,29 @@ class MultiTokenPrediction(nn.Module):
         return self.norm(self.block(x, rope, mask=mask))
 
 
-class Transformer(nn.Module):
-    """Token ids (batch, seq) in, logits (batch, seq, vocab) out; the same structure, attributes and
-    document masking as models.llama3.model.Transformer (whose docstring explains them).
+class Transformer(Decoder):
+    """Token ids (batch, seq) in, logits (batch, seq, vocab) out: models/decoder.py's Decoder of DeepSeek-V3's blocks.
 
     With num_mtp_layers, a training forward also runs the extra depths (`mtp`, after the final norm) and returns
     a MultiTokenLogits (components/training/loss.py): each depth's input tokens are the inputs rolled k places
-    left, whose
-    last k positions wrap around; causal attention keeps them from the positions before, and the loss leaves their
-    predictions out. The depths share the embedding and the output layer with the model. An eval-mode forward
-    (validation, evaluation, generation) returns the next token's logits alone."""
-
-    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model/contract.py)."""
+    left, whose last k positions wrap around; causal attention keeps them from the positions before, and the loss
+    leaves their predictions out. The depths share the embedding and the output layer with the model. An eval-mode
+    forward (validation, evaluation, generation) returns the next token's logits alone."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope", rope_frequencies(args), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args)
-                                  for k in range(args.num_mtp_layers)})
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
-        self.document_mask = document_mask
-
-    def transformer_blocks(self) -> nn.ModuleDict:
-        return self.layers
+        mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.n_layers + k, args) for k in range(args.num_mtp_layers)})
+        super().__init__(args, TransformerBlock, rope_frequencies, tied=args.tie_embeddings, output_std=args.dim**-0.5,
+                         before_output={"mtp": mtp})
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
-        pipeline stage that holds only some of the modules."""
-        self.rope.copy_(rope_frequencies(self.args))
-        for block in self.layers.values():
-            block.init_weights()
-        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=self.args.tie_embeddings,
-                          output_std=self.args.dim**-0.5)
+        super().init_weights()
         for depth in self.mtp.values():  # last: the rest starts as it does without them
             depth.init_weights()
 
     def forward(self, tokens: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor | MultiTokenLogits:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope, masks = rope_and_masks(self, self.rope, document_ids)
-        for block in self.layers.values():
-            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
-        h = self.norm(h) if self.norm is not None else h
+        h, rope, masks = self.hidden_states(tokens, document_ids)
         if self.output is None:
             return h
         logits = self.output(h)

@@ -25,9 +25,11 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParall
 
 from components.config import Config
 from components.distributed.mesh import ParallelDims
-from components.model.moe_layer import is_moe_layer
-from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
-from parallelisms.expert_parallel import moe_tensor_parallel_plan
+from models.decoder_parallelize import (
+    ends_tensor_parallel_plan,
+    feed_forward_tensor_parallel_plan,
+    parallelize_decoder,
+)
 from parallelisms.tensor_parallel import ReplicateParallel, tensor_parallel_styles
 
 KEPT_IN_HIGH_PRECISION = ["router.gate", "attention.wq_a", "attention.wkv_a"]
@@ -38,7 +40,7 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
     """Llama 3's plan (Megatron-style TP with sequence parallelism, loss parallel output) with multi-head latent
     attention's: the heads split over the ranks, the latents computed whole on each. An MoE feed-forward routes
     this rank's sequence shard through whole experts."""
-    Colwise, Rowwise, PrepareInput = tensor_parallel_styles(float8_comm)
+    Colwise, Rowwise, _ = tensor_parallel_styles(float8_comm)
     plan = ends_tensor_parallel_plan(model, "tok_embeddings", "norm", "output")
     blocks = {f"layers.{name}": block for name, block in model.layers.items()}
     for name, depth in model.mtp.items():  # multi-token prediction: per token, on the sequence shards
@@ -60,17 +62,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             f"{attention}.wkv_b": Colwise(),
             f"{attention}.wo": Rowwise(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
+            **feed_forward_tensor_parallel_plan(f"{prefix}.feed_forward", block.feed_forward, float8_comm),
         }
-        feed_forward = f"{prefix}.feed_forward"
-        if is_moe_layer(block.feed_forward):
-            plan[feed_forward] = moe_tensor_parallel_plan()
-        else:
-            plan |= {
-                feed_forward: PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                f"{feed_forward}.w1": Colwise(),
-                f"{feed_forward}.w2": Rowwise(output_layouts=Shard(1)),
-                f"{feed_forward}.w3": Colwise(),
-            }
     return plan
 
 

@@ -12,12 +12,12 @@ balancing (`expert_bias`) has no HF counterpart: it is exported without, and imp
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import torch
 
 from models.gpt_oss.flavors import flavors
 from models.gpt_oss.model import FULL, SLIDING, ModelArgs
+from models.hf_mapping import HFNames, as_flavor
 from models.moe import MoEArgs
 
 _TOP_LEVEL = {
@@ -39,8 +39,7 @@ _IN_BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
+NAMES = HFNames("gpt-oss", _TOP_LEVEL, _IN_BLOCK, blocks="layers")
 
 HF_CONFIG_KEYS = {
     "model_type": "model.name gpt_oss",
@@ -68,25 +67,15 @@ set it: an HF checkpoint loads into an ingot config only if all of them agree.""
 
 def hf_name(name: str) -> str:
     """The HF name of an ingot parameter, e.g. layers.3.attention.sink_logits -> model.layers.3.self_attn.sinks."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _IN_BLOCK:
-        return f"model.layers.{match[1]}.{_IN_BLOCK[match[2]]}"
-    raise KeyError(f"{name} has no Hugging Face gpt-oss name")
+    return NAMES.hf_name(name)
 
 
 def ingot_name(name: str) -> str:
     """The ingot name of an HF gpt-oss parameter (the inverse of hf_name)."""
-    if name in _FROM_HF_TOP_LEVEL:
-        return _FROM_HF_TOP_LEVEL[name]
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _FROM_HF_IN_BLOCK:
-        return f"layers.{match[1]}.{_FROM_HF_IN_BLOCK[match[2]]}"
     if name.endswith(("_blocks", "_scales")):
         raise ValueError(f"{name}: the experts are quantized (MXFP4); save the model dequantized with transformers "
                          "first (Mxfp4Config(dequantize=True), then save_pretrained)")
-    raise KeyError(f"{name} is not a gpt-oss weight ingot knows")
+    return NAMES.ingot_name(name)
 
 
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
@@ -212,21 +201,4 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                     top_k=config.get("num_experts_per_tok", 4), hidden_dim=config.get("intermediate_size", 2880),
                     norm_topk_prob=True, router_bias=True),
     )
-    flavor = infer_flavor(args)
-    if flavor is None:
-        return args
-    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, moe=args.moe)
-
-
-def infer_flavor(args: ModelArgs) -> str | None:
-    """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in flavors.items():
-        if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
-            return name
-    return None
-
-
-def architecture(args: ModelArgs) -> dict:
-    """The HF_CONFIG_KEYS fields of hf_config(args): what two configs must share to be one model."""
-    config = hf_config(args)
-    return {key: config.get(key) for key in HF_CONFIG_KEYS}
+    return as_flavor(args, flavors, hf_config, HF_CONFIG_KEYS, "moe")

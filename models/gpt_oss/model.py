@@ -4,13 +4,13 @@ mixture of experts whose router and experts have biases and whose experts apply 
 
 The window is declared on each attention module (`attention_mask`, components/model/attention.py's AttentionMask), the
 sinks are passed to its `sdpa` (`sink_logits`): every kernel, context parallelism's included, honours both.
-Document masking, the meta-device build, `local_positions` and `sdpa` work as in models/llama3/model.py.
+The decoder around the blocks (embedding, norm, output, document masking, the meta-device build and `init_weights`)
+is every family's, models/decoder.py; `sdpa` works as in models/llama3/model.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, document_mask
-from models.decoder_init import init_decoder_ends
-from models.decoder_inputs import rope_and_masks
+from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention
+from models.decoder import Decoder, DecoderBlock
 from models.moe import MoE, MoEArgs, use_grouped_mm
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -113,9 +112,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=True)
         self.sink_logits = nn.Parameter(torch.empty(args.n_heads))
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
         for linear in (self.wq, self.wk, self.wv, self.wo):
             nn.init.zeros_(linear.bias)
@@ -149,8 +148,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_bias = nn.Parameter(torch.empty(num_experts, dim))
 
-    def init_weights(self, out_std: float) -> None:
-        nn.init.trunc_normal_(self.gate_up, mean=0.0, std=0.02)
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.gate_up, mean=0.0, std=std)
         nn.init.trunc_normal_(self.down, mean=0.0, std=out_std)
         nn.init.zeros_(self.gate_up_bias)
         nn.init.zeros_(self.down_bias)
@@ -175,65 +174,18 @@ class Experts(nn.Module):
         return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[2])
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DecoderBlock):
+    """gpt-oss's block: its attention, under the window of its layer, and a mixture of its experts."""
+
     def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.attention = Attention(layer_id, args)
+        attention = Attention(layer_id, args)
         experts = Experts(args.dim, args.moe.hidden_dim, args.moe.num_experts, args.swiglu_limit, args.swiglu_alpha)
-        self.feed_forward = MoE(args.dim, args.moe, experts)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_std = 0.02 / math.sqrt(2 * depth)
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
-        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        super().__init__(attention, MoE(args.dim, args.moe, experts), layer_id, args)
 
 
-class Transformer(nn.Module):
-    """Token ids (batch, seq) in, logits (batch, seq, vocab) out; the same structure, attributes and document
-    masking as models.llama3.model.Transformer (whose docstring explains them). RoPE is in Hugging Face's
-    rotate-half layout, so an HF checkpoint's weights are used as they are."""
-
-    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model/contract.py)."""
+class Transformer(Decoder):
+    """Token ids (batch, seq) in, logits (batch, seq, vocab) out: models/decoder.py's Decoder of gpt-oss's blocks.
+    RoPE is in Hugging Face's rotate-half layout, so an HF checkpoint's weights are used as they are."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope", rope_frequencies(args), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
-        self.document_mask = document_mask
-
-    def transformer_blocks(self) -> nn.ModuleDict:
-        return self.layers
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a pipeline stage
-        that holds only some of the modules."""
-        self.rope.copy_(rope_frequencies(self.args))
-        for block in self.layers.values():
-            block.init_weights()
-        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=False, output_std=self.args.dim**-0.5)
-
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope, masks = rope_and_masks(self, self.rope, document_ids)
-        for block in self.layers.values():
-            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        super().__init__(args, TransformerBlock, rope_frequencies, tied=False, output_std=args.dim**-0.5)

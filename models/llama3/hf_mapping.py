@@ -14,10 +14,8 @@ reads the newer `rope_parameters` form that transformers 5 writes.
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
-
 from models.activations import ACTIVATIONS
+from models.hf_mapping import HFNames, as_flavor
 from models.llama3.flavors import flavors
 from models.llama3.model import ModelArgs
 
@@ -39,8 +37,7 @@ _IN_BLOCK = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",  # with qk_norm (the Qwen3 form)
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
-_FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
+NAMES = HFNames("Llama", _TOP_LEVEL, _IN_BLOCK, blocks="layers")
 
 LLAMA3_LONG_CONTEXT = 131072
 """max_position_embeddings written for a model with Llama 3.1 RoPE scaling: the context that Llama
@@ -67,22 +64,12 @@ config key(s) that set it: an HF checkpoint loads into an ingot config only if a
 def hf_name(name: str) -> str:
     """The HF name of an ingot parameter, e.g. layers.3.feed_forward.w1.weight ->
     model.layers.3.mlp.gate_proj.weight."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _IN_BLOCK:
-        return f"model.layers.{match[1]}.{_IN_BLOCK[match[2]]}"
-    raise KeyError(f"{name} has no Hugging Face Llama name")
+    return NAMES.hf_name(name)
 
 
 def ingot_name(name: str) -> str:
     """The ingot name of an HF LlamaForCausalLM parameter (the inverse of hf_name)."""
-    if name in _FROM_HF_TOP_LEVEL:
-        return _FROM_HF_TOP_LEVEL[name]
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _FROM_HF_IN_BLOCK:
-        return f"layers.{match[1]}.{_FROM_HF_IN_BLOCK[match[2]]}"
-    raise KeyError(f"{name} is not a Llama weight ingot knows")
+    return NAMES.ingot_name(name)
 
 
 def check_llama_form(args: ModelArgs) -> None:
@@ -204,22 +191,4 @@ def model_args_from_hf(config: dict) -> ModelArgs:
         args.rope_original_max_seq_len = scaling.get("original_max_position_embeddings", args.max_seq_len)
     if args.ffn_hidden_dim != config["intermediate_size"]:
         args.ffn_dim = config["intermediate_size"]
-    flavor = infer_flavor(args)
-    if flavor is None:
-        return args
-    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
-
-
-def infer_flavor(args: ModelArgs) -> str | None:
-    """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in flavors.items():
-        if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
-            return name
-    return None
-
-
-def architecture(args: ModelArgs) -> dict:
-    """The HF_CONFIG_KEYS fields of hf_config(args): what two configs must share to be one model."""
-    config = hf_config(args)
-    return {key: config[key] for key in HF_CONFIG_KEYS}
-
+    return as_flavor(args, flavors, hf_config, HF_CONFIG_KEYS)

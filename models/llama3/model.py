@@ -3,30 +3,21 @@ rotate-half layout, see Transformer), grouped-query attention through scaled_dot
 SwiGLU feed-forward; optionally QK-norm (`ModelArgs.qk_norm`) and the maximal-update
 parametrization (`ModelArgs.mup_base_dim`, docs/mup.md).
 
-Document masking: given the document number of every token of a packed window (`document_ids`),
-attention is causal and never crosses a document boundary, and with `rope_per_document` the RoPE
-positions restart at 0 at each document. The mask is built once per forward for each mask the layers declare
-(`Attention.attention_mask`) and shared by the layers declaring it: a FlexAttention BlockMask on CUDA, a dense
-boolean mask for SDPA elsewhere (components/model/attention.py, shared by the model families).
-
-The model is built on the meta device and filled by `init_weights()` after it has been
-parallelized, so every method here works on plain tensors and on DTensors alike.
+The decoder around the blocks (embedding, norm, output, document masking, the meta-device build and
+`init_weights`) is every family's, models/decoder.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, apply_rope, causal_attention, document_mask
-from models.activations import activation
-from models.decoder_init import init_decoder_ends
-from models.decoder_inputs import rope_and_masks
+from components.model.attention import CAUSAL, apply_rope, causal_attention
+from models.decoder import Decoder, DecoderBlock, FeedForward
 
 
 @dataclass
@@ -167,66 +158,17 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """Gated: w2(act(w1 x) * w3 x), SwiGLU with act = silu."""
+class TransformerBlock(DecoderBlock):
+    """Llama 3's block: its attention and a SwiGLU feed-forward (models/decoder.py), with µP's init std."""
 
-    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu"):
-        super().__init__()
-        self.act = activation(hidden_act)
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=std)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.hidden_act)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        width_scale = args.mup_width**-0.5  # 1 without µP
-        self.std = 0.02 * width_scale
-        self.out_std = 0.02 / math.sqrt(2 * depth) * width_scale
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.std, self.out_std)
-        self.feed_forward.init_weights(self.std, self.out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        # mask by keyword: tensor parallelism's input hook on `attention` lays out (x, rope) only.
-        x = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        super().__init__(Attention(args), FeedForward(args.dim, args.ffn_hidden_dim, args.hidden_act), layer_id, args,
+                         width_scale=args.mup_width**-0.5)  # 1 without µP
 
 
-class Transformer(nn.Module):
-    """Token ids (batch, seq) in, logits (batch, seq, vocab) out.
-
-    Blocks live in a ModuleDict keyed by layer number so that a pipeline stage can drop the blocks
-    it does not own and keep the others' names (and so its checkpoint keys) unchanged. A stage
-    without `tok_embeddings` takes hidden states as input; one without `output` returns them.
-    `local_positions` (None: 0..seq-1), which context parallelism sets, gives the sequence positions of the
-    tokens a forward sees, this rank's share of the sequence, from the document ids (None without document
-    masking): (seq,) shared by the rows, or (batch, seq).
-
-    `document_ids` (batch, seq), the document number of every token of a packed window
-    (components.data.documents.document_ids), turns on document masking: attention is causal
-    within each document only and, with `args.rope_per_document`, RoPE positions restart at each
-    document. They cover the whole sequence, also under context parallelism, whose method may replace
-    `document_mask(document_ids, attention_mask)`, the builder of what the layers declaring that mask give their
-    `sdpa`; every pipeline stage gets them.
+class Transformer(Decoder):
+    """Token ids (batch, seq) in, logits (batch, seq, vocab) out: models/decoder.py's Decoder of Llama 3's blocks,
+    with µP's output multiplier.
 
     RoPE layout: each head's dimension i is rotated together with dimension i + head_dim/2
     ("rotate-half"), as in Hugging Face's LlamaForCausalLM, rather than with dimension i ^ 1 as in
@@ -235,42 +177,13 @@ class Transformer(nn.Module):
     used as they are (models/llama3/hf_mapping.py only renames them), so that even a sharded rank whose
     shard cuts through a head can load its own piece directly."""
 
-    pipeline_ends = (("tok_embeddings",), ("norm", "output"))
-    """The modules before and after the blocks (components/model/contract.py)."""
-
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope", rope_frequencies(args), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.local_positions: Callable[[torch.Tensor | None], torch.Tensor] | None = None
-        self.document_mask = document_mask
-
-    def transformer_blocks(self) -> nn.ModuleDict:
-        return self.layers
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Fill every parameter and buffer; works after `to_empty()` on a meta-built model, and on a
-        pipeline stage that holds only some of the modules."""
-        self.rope.copy_(rope_frequencies(self.args))
-        for block in self.layers.values():
-            block.init_weights()
         # µP: the output layer's std is the base width's, whatever the width.
-        init_decoder_ends(self, "tok_embeddings", "norm", "output", tied=self.args.tie_embeddings,
-                          output_std=(self.args.mup_base_dim or self.args.dim) ** -0.5)
+        super().__init__(args, TransformerBlock, rope_frequencies, tied=args.tie_embeddings,
+                         output_std=(args.mup_base_dim or args.dim) ** -0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope, masks = rope_and_masks(self, self.rope, document_ids)
-        for block in self.layers.values():
-            h = block(h, rope, mask=masks.get(block.attention.attention_mask))
-        h = self.norm(h) if self.norm is not None else h
+        h, _, _ = self.hidden_states(tokens, document_ids)
         if self.output is None:
             return h
         if self.args.mup_base_dim:  # µP's output multiplier 1/m, on the (smaller) input of the projection

@@ -12,12 +12,12 @@ that loading into them fills the model (components/hf/load.py). The routing bias
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import torch
 
 from models.activations import ACTIVATIONS
 from models.hf_experts import experts_from_hf, experts_to_hf
+from models.hf_mapping import HFNames, as_flavor
 from models.moe import MoEArgs
 from models.qwen3.flavors import flavors
 from models.qwen3.model import ModelArgs
@@ -41,8 +41,7 @@ _IN_BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_FROM_HF_TOP_LEVEL = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_FROM_HF_IN_BLOCK = {hf: ours for ours, hf in _IN_BLOCK.items()}
+NAMES = HFNames("Qwen3", _TOP_LEVEL, _IN_BLOCK, blocks="layers")
 
 HF_CONFIG_KEYS = {
     "model_type": "model.flavor (a dense or a mixture-of-experts one)",
@@ -72,22 +71,12 @@ config key(s) that set it: an HF checkpoint loads into an ingot config only if a
 def hf_name(name: str) -> str:
     """The HF name of an ingot parameter other than the experts', e.g. layers.3.attention.q_norm.weight
     -> model.layers.3.self_attn.q_norm.weight."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _IN_BLOCK:
-        return f"model.layers.{match[1]}.{_IN_BLOCK[match[2]]}"
-    raise KeyError(f"{name} has no Hugging Face Qwen3 name")
+    return NAMES.hf_name(name)
 
 
 def ingot_name(name: str) -> str:
     """The ingot name of an HF Qwen3 parameter other than the experts' (the inverse of hf_name)."""
-    if name in _FROM_HF_TOP_LEVEL:
-        return _FROM_HF_TOP_LEVEL[name]
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match[2] in _FROM_HF_IN_BLOCK:
-        return f"layers.{match[1]}.{_FROM_HF_IN_BLOCK[match[2]]}"
-    raise KeyError(f"{name} is not a Qwen3 weight ingot knows")
+    return NAMES.ingot_name(name)
 
 
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
@@ -219,22 +208,4 @@ def model_args_from_hf(config: dict) -> ModelArgs:
                            norm_topk_prob=config.get("norm_topk_prob", False))
         args.moe_layer_step = config.get("decoder_sparse_step", 1)
         args.dense_layers = tuple(config.get("mlp_only_layers") or ())
-    flavor = infer_flavor(args)
-    if flavor is None:
-        return args
-    return replace(flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, moe=args.moe)
-
-
-def infer_flavor(args: ModelArgs) -> str | None:
-    """The name of the flavor with the same architecture as `args`, vocabulary aside, if any."""
-    for name, flavor in flavors.items():
-        if architecture(replace(flavor, vocab_size=args.vocab_size)) == architecture(args):
-            return name
-    return None
-
-
-def architecture(args: ModelArgs) -> dict:
-    """The HF_CONFIG_KEYS fields of hf_config(args): what two configs must share to be one model."""
-    config = hf_config(args)
-    return {key: config.get(key) for key in HF_CONFIG_KEYS}
-
+    return as_flavor(args, flavors, hf_config, HF_CONFIG_KEYS, "moe")

@@ -19,9 +19,11 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from components.config import Config
 from components.distributed.mesh import ParallelDims
 from components.model.attention import qk_norm_tensor_parallel_plan
-from components.model.moe_layer import is_moe_layer
-from models.decoder_parallelize import ends_tensor_parallel_plan, parallelize_decoder
-from parallelisms.expert_parallel import moe_tensor_parallel_plan
+from models.decoder_parallelize import (
+    ends_tensor_parallel_plan,
+    feed_forward_tensor_parallel_plan,
+    parallelize_decoder,
+)
 from parallelisms.tensor_parallel import tensor_parallel_styles
 
 ROUTER = "router.gate"
@@ -48,17 +50,8 @@ def tensor_parallel_plan(model: nn.Module, float8_comm: bool) -> dict:
             **qk_norm_tensor_parallel_plan(f"{prefix}.attention"),
             f"{prefix}.attention.wo": Rowwise(output_layouts=Shard(1)),
             f"{prefix}.ffn_norm": SequenceParallel(),
+            **feed_forward_tensor_parallel_plan(f"{prefix}.feed_forward", block.feed_forward, float8_comm),
         }
-        if is_moe_layer(block.feed_forward):
-            plan[f"{prefix}.feed_forward"] = moe_tensor_parallel_plan()
-        else:
-            plan |= {
-                f"{prefix}.feed_forward": PrepareInput(input_layouts=(Shard(1),),
-                                                       desired_input_layouts=(Replicate(),)),
-                f"{prefix}.feed_forward.w1": Colwise(),
-                f"{prefix}.feed_forward.w2": Rowwise(output_layouts=Shard(1)),
-                f"{prefix}.feed_forward.w3": Colwise(),
-            }
     return plan
 
 

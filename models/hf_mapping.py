@@ -1,0 +1,61 @@
+"""What every family's hf_mapping.py does alike, written once: renaming parameters between ingot's names and Hugging
+Face's by two tables (the ends', and a block's), and taking an imported config as the published flavor it is. A
+family keeps its tables, its config fields and whatever its names need beyond them (DeepSeek-V3's multi-token
+prediction layers, gpt-oss's quantized experts); a fork that names its blocks otherwise says so in `blocks`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+
+
+class HFNames:
+    """ingot <-> Hugging Face names of a decoder's parameters: `top_level` {ingot: HF} for the ends, `in_block`
+    {ingot name within a block: HF name within a layer} for the blocks, `<blocks>.N.` in ingot and `model.layers.N.`
+    in Hugging Face. `family` names the model in errors."""
+
+    def __init__(self, family: str, top_level: dict[str, str], in_block: dict[str, str], blocks: str = "layers"):
+        self.family, self.top_level, self.in_block, self.blocks = family, top_level, in_block, blocks
+        self.from_hf_top_level = {hf: ours for ours, hf in top_level.items()}
+        self.from_hf_in_block = {hf: ours for ours, hf in in_block.items()}
+
+    def hf_name(self, name: str) -> str:
+        """The HF name of an ingot parameter, e.g. layers.3.feed_forward.w1.weight ->
+        model.layers.3.mlp.gate_proj.weight."""
+        if name in self.top_level:
+            return self.top_level[name]
+        match = re.fullmatch(rf"{re.escape(self.blocks)}\.(\d+)\.(.+)", name)
+        if match and match[2] in self.in_block:
+            return f"model.layers.{match[1]}.{self.in_block[match[2]]}"
+        raise KeyError(f"{name} has no Hugging Face {self.family} name")
+
+    def ingot_name(self, name: str) -> str:
+        """The ingot name of an HF parameter (the inverse of hf_name)."""
+        if name in self.from_hf_top_level:
+            return self.from_hf_top_level[name]
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if match and match[2] in self.from_hf_in_block:
+            return f"{self.blocks}.{match[1]}.{self.from_hf_in_block[match[2]]}"
+        raise KeyError(f"{name} is not a {self.family} weight ingot knows")
+
+
+def as_flavor(args, flavors: dict, hf_config: Callable[[object], dict], keys: dict, *kept: str):
+    """The flavor whose Hugging Face config agrees with that of `args` on `keys` (the fields that fix the model),
+    vocabulary aside, with the vocabulary, max_seq_len and the `kept` fields of `args`: an imported model of a
+    published size then trains as its flavor does, with the flavor's settings that no HF field carries. `args`
+    itself when no flavor matches."""
+
+    def architecture(candidate) -> dict:
+        try:
+            config = hf_config(candidate)
+        except ValueError:  # no HF form (e.g. a routing HF's model lacks): the dataclass fields say it
+            return {"args": replace(candidate, max_seq_len=0)}
+        return {key: config.get(key) for key in keys}
+
+    wanted = architecture(args)
+    for flavor in flavors.values():
+        if architecture(replace(flavor, vocab_size=args.vocab_size)) == wanted:
+            return replace(flavor, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
+                           **{key: getattr(args, key) for key in kept})
+    return args
