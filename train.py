@@ -183,7 +183,8 @@ def train(config: Config, signals: StopSignals) -> int:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
     heartbeat = Heartbeat(config.comm.train_timeout_seconds)  # where this rank is: a hang names who stopped
-    batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in data_hash)
+    loaded = step_times.reading(iter(data_hash))  # the time waited for the loader is this rank's own
+    batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in loaded)
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
@@ -232,7 +233,7 @@ def train(config: Config, signals: StopSignals) -> int:
         raise
     finally:
         # A save is waited for.
-        for part in (checkpointer, dataloader, metrics, collector, step_times, replicas, heartbeat):
+        for part in (checkpointer, dataloader, metrics, collector, replicas, heartbeat):
             part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         hf_folder = dump_folder / "hf" / f"step-{training.steps}"

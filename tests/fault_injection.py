@@ -15,6 +15,8 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
   slow-steps:N[:R[:S]]  rank R (or every rank) sleeps S seconds (SLOW_STEP_SECONDS) in every step from step N on,
                    and waits there while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
+  busy-steps:N[:R[:S]]  rank R (or every rank) computes S seconds longer in every step from step N on: a straggler
+                   (a slower or shared CPU)
 
 With INGOT_FAULT_ONCE=<path> each rank arms the fault only where <path>.rank<R> does not exist yet, and creates
 it: a job that restarts after the fault (job.max_restarts) then runs clean.
@@ -93,13 +95,18 @@ SLOW_STEP_SECONDS = 0.3
 
 
 def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SECONDS) -> None:
-    if kind == "slow-steps":
+    if kind in ("slow-steps", "busy-steps"):
         original_step, calls = Optimizers.step, [0]
 
         def slow_step(self, *args, **kwargs):
             calls[0] += 1
             if calls[0] >= step and (rank is None or dist.get_rank() == rank):
-                time.sleep(seconds)
+                if kind == "busy-steps":
+                    end = time.perf_counter() + seconds
+                    while time.perf_counter() < end:
+                        pass
+                else:
+                    time.sleep(seconds)
                 while os.path.exists(os.environ.get("INGOT_PAUSE", "")):
                     time.sleep(0.05)
             return original_step(self, *args, **kwargs)

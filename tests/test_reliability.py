@@ -20,7 +20,7 @@ from fault_injection import descendants, kill_tree
 
 from components.checkpoint.integrity import check_checkpoint
 from components.config import Optimizer as OptimizerConfig, Training
-from components.metrics.stragglers import CollectiveWaits, slow_ranks
+from components.metrics.stragglers import StepTimes, active_seconds, slow_ranks
 from components.run import heartbeat
 from components.training.optimizers import Optimizers
 from components.training.step_guard import StepGuard
@@ -64,8 +64,8 @@ def steps_logged(dump: Path) -> list[int]:
 
 
 SLOW_STEP_SECONDS = 1.0
-SLOW_RANK = f"slow-steps:3:1:{SLOW_STEP_SECONDS}"
-"""The 2-process reference's rank 1 sleeps a second in every step from step 3 on (tests/fault_injection.py): a
+SLOW_RANK = f"busy-steps:3:1:{SLOW_STEP_SECONDS}"
+"""The 2-process reference's rank 1 computes a second longer in every step from step 3 on (tests/fault_injection.py): a
 straggler changes no figure of the training, and test_a_rank_slower_than_the_others_is_named_once reads its run. A
 second is large against any hiccup of rank 0 on a loaded machine (0.3 s was not: rank 0 was the slowest in 2 of 7
 steps on a busy 2-core CI machine)."""
@@ -87,7 +87,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_rank_slower_than_the_others_is_named_once_and_every_logged_step_shows_the_spread(references):
-    """Rank 1 sleeps SLOW_STEP_SECONDS in each step from step 3 on: the logged steps from then on name it the
+    """Rank 1 computes SLOW_STEP_SECONDS longer in each step from step 3 on: the logged steps from then on name it the
     slowest (all but one at worst), with a median spread of about the sleep (rank 0 waits for it in the
     collectives, and that wait is not rank 0's step time); after 3 such steps in a row (log_freq 1) the log names
     it a straggler, once. A step after a checkpoint (every 3 steps) also holds rank 0's own part of the save, its
@@ -114,24 +114,33 @@ def test_a_straggler_is_measured_against_the_ranks_of_its_own_pipeline_stage():
     assert slow_ranks([0.10], [0], factor=1.5) == []  # nobody to compare with
 
 
-def test_collective_waits_are_timed_on_the_loop_thread_only_and_torch_is_restored_after():
+def test_a_rank_s_own_time_counts_its_thread_computing_and_waiting_for_data_but_not_blocked():
+    """What a collective's wait is to the loop's thread (blocked) counts nothing; computing counts, on this thread
+    only, and so does the time the loader takes to give a batch."""
     import threading
 
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
 
-    originals = dist.Work.wait, funcol.wait_tensor
-    waits = CollectiveWaits()
-    try:
-        waits.timed(lambda: time.sleep(0.05))()
-        elsewhere = threading.Thread(target=waits.timed(lambda: time.sleep(1.0)))
-        elsewhere.start()
-        elsewhere.join()
-        assert 0.05 <= waits.take() < 1.0 and waits.take() == 0.0  # the other thread's second is not counted
-        assert (dist.Work.wait, funcol.wait_tensor) != originals
-    finally:
-        waits.close()
-    assert (dist.Work.wait, funcol.wait_tensor) == originals
+    start = active_seconds()
+    time.sleep(0.3)  # blocked, as in a collective's wait
+    elsewhere = threading.Thread(target=spin, args=(0.5,))
+    elsewhere.start()
+    elsewhere.join()
+    assert active_seconds() - start < 0.1
+    start = active_seconds()
+    spin(0.3)
+    assert 0.3 <= active_seconds() - start < 0.4
+
+    def slow_loader():
+        for batch in range(2):
+            time.sleep(0.2)
+            yield batch
+
+    times = StepTimes(1.5, None, torch.device("cpu"))
+    assert list(times.reading(slow_loader())) == [0, 1] and 0.4 <= times.data_wait < 0.6
 
 
 # (processes, fault, extra arguments, the checkpoint the resume must start from). A kill inside a step: the kills

@@ -2,17 +2,17 @@
 others named once (metrics.straggler_factor).
 
 The ranks of a job wait for each other inside their collectives, so a step takes the same wall time on every rank.
-What differs is how long each worked on its own: a rank's step time here is the wall time from one step to the
-next less the time it waited in collectives. The slowest rank hardly waits; the others wait for it, so its figure
-is the largest and the spread between the ranks is the time the others lost to it each step.
-
-Waiting is the time the trainer's thread blocked in torch's two waits for a collective: `Work.wait()`
-(torch.distributed's collectives: FSDP's all-gathers and reduce-scatters, all-reduces, pipeline sends and
-receives, this module's gather) and functional collectives' `wait_tensor` (DTensor's: tensor parallelism, the
-gradient norm). torch offers no hook for either on gloo (ProcessGroup's completion hook is NCCL's only), so
-CollectiveWaits wraps both while the loop runs. With gloo (CPU) the host blocks in them until the collective is
-done. NCCL's waits return at once (the device waits, not the host), so on CUDA these figures are not measured;
-the hang report (components/run/heartbeat.py) and NCCL's flight recorder still name a rank that stops.
+What differs is how long each worked on its own: a rank's step time here is the time the training loop's thread
+ran or waited for a CPU between one step and the next (Linux's per-thread accounting, /proc/thread-self/schedstat:
+time on a CPU plus time in the run queue), plus the time it waited for its data loader. A thread blocked in a
+collective is neither, so the time a rank waits for the others is left out without timing torch's waits (torch
+has no hook for them on gloo: ProcessGroup's completion hook is NCCL's only). The slowest rank hardly waits; the
+others wait for it, so its figure is the largest and the spread between the ranks is the time the others lost to
+it each step. A rank slowed by computing longer, or by sharing its CPUs, or by a data loader that cannot keep up,
+is measured; one blocked on something else in the loop's thread (a sleep, a disk read) is not. With gloo (CPU)
+the thread blocks in a collective until it is done; on CUDA the host waits for the device by spinning, so these
+figures are not measured there, nor where the kernel keeps no such accounting; the hang report
+(components/run/heartbeat.py) and NCCL's flight recorder still name a rank that stops.
 
 A rank is compared with the other ranks of its pipeline stage (stages do different work): it is named when its
 step time is at least `factor` times theirs (the median) in PERSISTENT logged intervals in a row.
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 logger = logging.getLogger("ingot")
 
@@ -35,37 +35,17 @@ PERSISTENT = 3
 """Logged intervals in a row a rank must be slow in before it is named: one slow interval is a hiccup."""
 
 
-class CollectiveWaits:
-    """Seconds the creating thread has blocked waiting for collectives since the last `take()`: in `Work.wait()`
-    (torch.distributed's collectives) and in functional collectives' `wait_tensor` (DTensor's). `close()` puts
-    both of torch's functions back. Other threads' waits (an asynchronous checkpoint save's) are not counted, nor
-    are waits inside compiled code (the graph waits by itself)."""
+SCHEDSTAT = Path("/proc/thread-self/schedstat")
 
-    def __init__(self):
-        self.seconds, self.thread = 0.0, threading.get_ident()
-        self.originals = [(dist.Work, "wait", dist.Work.wait), (funcol, "wait_tensor", funcol.wait_tensor)]
-        for owner, name, original in self.originals:
-            setattr(owner, name, self.timed(original))
 
-    def timed(self, original):
-        def timed_wait(*args, **kwargs):
-            if torch.compiler.is_compiling() or threading.get_ident() != self.thread:
-                return original(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed_wait
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-    def close(self) -> None:
-        for owner, name, original in self.originals:
-            setattr(owner, name, original)
+def active_seconds() -> float | None:
+    """Seconds the calling thread has run on a CPU or waited in the run queue for one, since it started; None where
+    the kernel does not say (not Linux, or no scheduler accounting)."""
+    try:
+        on_cpu, run_queue = SCHEDSTAT.read_text().split()[:2]
+    except OSError:
+        return None
+    return (int(on_cpu) + int(run_queue)) / 1e9
 
 
 def slow_ranks(times: list[float], stages: list[int], factor: float) -> list[int]:
@@ -85,19 +65,33 @@ class StepTimes:
 
     def __init__(self, factor: float, pp_group: dist.ProcessGroup | None, device: torch.device):
         self.factor = factor
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.waits = CollectiveWaits() if self.world > 1 and device.type == "cpu" else None
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.measured = self.world > 1 and device.type == "cpu" and active_seconds() is not None
+        self.data_wait = 0.0  # seconds waited for the data loader since the last step
         self.stage = dist.get_rank(pp_group) if pp_group is not None else 0  # the rank's pipeline stage
-        self.last = None  # the clock when the previous step ended
+        self.last = None  # active_seconds() when the previous step ended
         self.own, self.steps = 0.0, 0
         self.streaks, self.named = [0] * self.world, set()
 
+    def reading(self, batches: Iterator) -> Iterator:
+        """`batches`, the time this thread waits for each counted as its own (a data loader's worker processes
+        work elsewhere: waiting for them is this rank's)."""
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_wait += time.perf_counter() - start
+            yield batch
+
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
-        if self.waits is None:
+        if not self.measured:
             return {}
-        now, waited = time.perf_counter(), self.waits.take()
+        now, data_wait = active_seconds(), self.data_wait
+        self.data_wait = 0.0
         if self.last is not None:
-            self.own, self.steps = self.own + now - self.last - waited, self.steps + 1
+            self.own, self.steps = self.own + now - self.last + data_wait, self.steps + 1
         self.last = now
         if not log or not self.steps:
             return {}
@@ -124,7 +118,3 @@ class StepTimes:
                         f"in each of the last {PERSISTENT} logged intervals (metrics.straggler_factor {self.factor}); "
                         f"the other ranks wait for it every step"
                     )
-
-    def close(self) -> None:
-        if self.waits is not None:
-            self.waits.close()
