@@ -45,7 +45,6 @@ from components.distributed.mesh import (
     ParallelDims,
     init_distributed,
     on_rank0_for_all,
-    seed_dtensor_random,
     set_collective_timeout,
 )
 from components.evaluation.in_loop import Evaluations
@@ -64,6 +63,7 @@ from components.run.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_pee
 from components.run.launch import report_failure, run_worker
 from components.run.lock import die_with_launcher, lock_dump_folder, release_dump_folders
 from components.run.stopping import Preemption, StopSignals, exit_status
+from components.torch_private import seed_dtensor_random
 from components.training.garbage_collection import GarbageCollection
 from components.training.loop_features import SourceTokens, loss_figures
 from components.training.loss import MultiTokenLoss, ZLoss, cross_entropy_loss

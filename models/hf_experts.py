@@ -11,7 +11,8 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from components.torch_private import shard_offset
 
 PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FROM_HF = {hf: ours for ours, hf in PROJECTIONS.items()}
@@ -21,8 +22,7 @@ def local_experts(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The experts of a (num_experts, ...) weight that this rank holds, and the index of the first:
     all of them for a plain tensor, the local shard's for a DTensor (sharded on dim 0, if at all)."""
     if isinstance(weight, DTensor):
-        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        return offset[0], weight.to_local()
+        return shard_offset(weight)[0], weight.to_local()
     return 0, weight
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.torch_private import grouped_mm, has_grouped_mm, in_backward
 from models.activations import activation
 from models.decoder import FeedForward
 
@@ -143,7 +144,7 @@ class Router(nn.Module):
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """torch._grouped_mm needs CUDA compute capability 9.0 or newer and bf16; elsewhere a loop."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+    return (has_grouped_mm() and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
@@ -169,9 +170,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if use_grouped_mm(x):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = self.act(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+            h = self.act(grouped_mm(x, w1.transpose(-2, -1), offsets))
+            h = h * grouped_mm(x, w3.transpose(-2, -1), offsets)
+            return grouped_mm(h, w2.transpose(-2, -1), offsets)
         outputs = []
         for i, chunk in enumerate(x.split(counts)):
             outputs.append((self.act(chunk @ w1[i].T) * (chunk @ w3[i].T)) @ w2[i].T)
@@ -273,7 +274,7 @@ class MoE(nn.Module):
 def record_routing(moe: MoE, counts: torch.Tensor, aux_loss: torch.Tensor) -> None:
     """Add a micro-batch's expert counts and auxiliary loss to the layer's tally, once: activation
     checkpointing's recomputation runs inside backward and is not counted again."""
-    if torch._C._current_graph_task_id() == -1:
+    if not in_backward():
         moe.tokens_per_expert.add_(counts.float())
         moe.aux_loss_sum.add_(aux_loss.detach())
         moe.forwards.add_(1)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from components.torch_private import checkpoint_wrapper
 
 # Ops whose outputs selective-by-op checkpointing keeps rather than recomputes.
 SAVED_OPS = {

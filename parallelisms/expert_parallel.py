@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -29,6 +28,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from components.distributed.mesh import ParallelDims
 from components.model.moe_layer import moe_layers
+from components.torch_private import all_to_all_single_autograd
 from parallelisms.fsdp import offload_policy, resharding
 
 

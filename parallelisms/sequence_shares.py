@@ -5,8 +5,9 @@ attention; the convolutions and recurrent layers of parallelisms/sequence_mixers
 from __future__ import annotations
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+
+from components.torch_private import all_to_all_single_autograd
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.LongTensor:

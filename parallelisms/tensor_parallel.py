@@ -13,7 +13,6 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -26,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from components.torch_private import AsyncCollectiveTensor, enable_micro_pipeline_tp
 from parallelisms.sequence_mixers import sequence_parallel_mixers
 
 
@@ -118,11 +118,7 @@ def _wait_collective_output(module: nn.Module, args: tuple, output):
 def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
     """Let inductor overlap TP's all-gathers/reduce-scatters with the matmuls that use them
     ("micro-pipelining"). It needs CUDA symmetric memory and torch.compile; the caller checks both."""
-    import torch._inductor.config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    enable_micro_pipeline_tp(tp_mesh.get_group().group_name)
 
 
 class ReplicateParallel(ParallelStyle):

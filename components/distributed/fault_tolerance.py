@@ -34,12 +34,12 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 from components.config import Config, ConfigError, FaultTolerance
 from components.distributed.diloco import OuterStep
 from components.metrics.reporting import MetricsLogger
 from components.model.moe_layer import moe_layers
+from components.torch_private import tree_map
 
 logger = logging.getLogger("ingot")
 
@@ -210,10 +210,10 @@ class ReplicaGroups:
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(group)
+            flat = torch.cat([t.reshape(-1) for t in group])
             self.manager.allreduce(flat, reduce_op=op).wait()
-            for t, reduced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                t.copy_(reduced)
+            for t, reduced in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(reduced.view_as(t))
 
     def should_commit(self, step: int) -> bool:
         """Whether every group of the quorum got through this step; if not, it is taken again with the next batch.

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.config import Comm, ConfigError, Parallelism
+from components.torch_private import set_group_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The world mesh. With expert parallelism, dp_shard is two dims, dp_shard_mod_ep x ep (ep inner, so that
@@ -68,21 +69,10 @@ def on_rank0_for_all(check: Callable[..., None], *args) -> None:
         raise kind(message)
 
 
-def seed_dtensor_random(seed: int, mesh: DeviceMesh) -> None:
-    """Seed DTensor's random ops (the initialization of sharded weights) on this rank with `seed`. Through torch's
-    private `torch.distributed.tensor._random.manual_seed` (torch 2.11 to 2.13): its RNG tracker otherwise copies
-    rank 0's state to every rank, and torch has no public way to give ranks their own (each pipeline stage draws
-    its own weights)."""
-    torch.distributed.tensor._random.manual_seed(seed, mesh)
-
-
 def set_collective_timeout(seconds: int, mesh: DeviceMesh) -> None:
     """Swap the generous start-up timeout for the training one on every group the run uses."""
-    timeout = timedelta(seconds=seconds)
-    groups = {dist.group.WORLD, *mesh.get_all_groups()}
-    for group in groups:
-        # torch has no public setter; this is the one torch.distributed itself provides.
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    for group in {dist.group.WORLD, *mesh.get_all_groups()}:
+        set_group_timeout(group, seconds)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from components.config import ConfigError, Profiling as ProfilingConfig
+from components.torch_private import dump_memory_snapshot, record_memory_history
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Profiler:
             )
             self.profiler.start()
         if self.memory_snapshots:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(True)
 
     def _step_folder(self) -> Path:
         folder = self.folder / f"step-{self.step_number}"
@@ -101,7 +102,7 @@ class Profiler:
         """The CUDA allocator's recorded history, e.g. when an out-of-memory error ends the run."""
         if self.memory_snapshots:
             path = self._step_folder() / f"rank{self.rank}_memory_snapshot.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_memory_snapshot(str(path))
             logger.warning(f"memory snapshot written to {path}")
 
     def step(self, step: int) -> None:
@@ -118,4 +119,4 @@ class Profiler:
         if self.profiler is not None:
             self.profiler.stop()
         if self.memory_snapshots:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(False)

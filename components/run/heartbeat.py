@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from components.torch_private import default_store
+
 KEY = "ingot/heartbeat/"
 ALIVE = "ingot/alive/"
 WAITING = "ingot/waiting/"
@@ -85,8 +87,7 @@ class Heartbeat:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout, self.step = timeout_seconds, 0
         self.interval = max(0.5, timeout_seconds / LIFE_SIGNS)
-        # torch's handle on the store its default group was built on (private: there is no public one).
-        self.store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        self.store = default_store() if self.world > 1 else None  # the store the default group was built on
         self.done = threading.Event()
         if self.store is not None:
             threading.Thread(target=self._live, name="ingot-heartbeat", daemon=True).start()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention
+from components.torch_private import grouped_mm
 from models.decoder import Decoder, DecoderBlock
 from models.moe import MoE, MoEArgs, use_grouped_mm
 
@@ -167,8 +168,8 @@ class Experts(nn.Module):
             sizes = torch.tensor(counts, device=x.device)
             offsets = sizes.cumsum(0).to(torch.int32)
             expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
-            h = self.glu(torch._grouped_mm(x, gate_up, offs=offsets) + gate_up_bias[expert])
-            return torch._grouped_mm(h, down, offs=offsets) + down_bias[expert]
+            h = self.glu(grouped_mm(x, gate_up, offsets) + gate_up_bias[expert])
+            return grouped_mm(h, down, offsets) + down_bias[expert]
         outputs = [self.glu(chunk @ gate_up[i] + gate_up_bias[i]) @ down[i] + down_bias[i]
                    for i, chunk in enumerate(x.split(counts))]
         return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[2])
