@@ -311,8 +311,9 @@ def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int, forks: Pa
 
 
 FIRST = "test_docs_run_in_order.py"
-"""The suite's longest test (a third of its time): run first, so that under pytest-xdist the other worker runs
-the rest meanwhile instead of waiting for it at the end."""
+"""The first share of the documented commands, the suite's longest test with the second
+(test_docs_run_in_order_second_share.py, which waits for this one's README commands): run first, so that the other
+worker runs the files before the second share meanwhile, and neither waits for the other at the end."""
 
 
 def pytest_sessionstart(session):
