@@ -132,7 +132,6 @@ def train(config: Config, signals: StopSignals) -> int:
     # --- Split into pipeline stages, parallelize, then initialize -----------------------------
     model_parts, stage_ids, num_stages = place_model(whole_model, model_package, dims, mesh, config, device)
     model = model_on_rank(model_parts, stage_ids, num_stages, dims, mesh, config, device, plan.grad_accum_steps)
-    pipeline = model.pipeline
     params_on_rank = sum(local(p).numel() for part in model_parts for p in part.parameters())
     logger.info(
         f"mesh: {dims.describe()} | model {config.model.name} {config.model.flavor}: {n_params / 1e6:.2f}M "
@@ -171,7 +170,7 @@ def train(config: Config, signals: StopSignals) -> int:
     replicas = replica_groups(config, checkpointer.states, start_step, metrics, dump_folder, device)
     layer_metrics = LayerMetrics(model_parts, model_args.n_layers, model.pp_group) if config.metrics.per_layer else None
     # What each step adds to its record (components/training/loop_features.py), in this order.
-    micro_batches = plan.grad_accum_steps * (pipeline.n_microbatches if pipeline else 1)
+    micro_batches = plan.grad_accum_steps * (model.pipeline.n_microbatches if model.pipeline else 1)
     step_features = [RoutingTally(model_parts, model_args.n_layers, micro_batches, metrics, device), replicas]
     step_features += loss_figures(model)
     dp_group = dims.dp_mesh.get_group() if dims.dp > 1 else None
@@ -183,8 +182,7 @@ def train(config: Config, signals: StopSignals) -> int:
         step_features.append(Float8ScalePrecompute(model_parts))
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
     heartbeat = Heartbeat(config.comm.train_timeout_seconds)  # where this rank is: a hang names who stopped
-    loaded = step_times.reading(iter(data_hash))  # the time waited for the loader is this rank's own
-    batches = heartbeat.reading(prepare_batch(batch, device, eos_id, share) for batch in loaded)
+    batches = heartbeat.reading(prepare_batch(b, device, eos_id, share) for b in step_times.reading(data_hash))
 
     # --- The training loop -------------------------------------------------------------------
     logger.info(f"training steps {start_step + 1} to {training.steps}")
@@ -196,7 +194,7 @@ def train(config: Config, signals: StopSignals) -> int:
                 heartbeat.start(step)
                 log_this_step = metrics.should_log(step)
                 # A pipeline's first step also runs forwards on placeholders (shapes): no per-layer statistics.
-                first_pipeline_step = pipeline is not None and step == start_step + 1
+                first_pipeline_step = model.pipeline is not None and step == start_step + 1
                 record_layers = layer_metrics if log_this_step and not first_pipeline_step else None
                 lr = lr_schedule.lr
                 loss, grad_norm, layers = train_step(model, batches, plan.grad_accum_steps, training.max_norm,
@@ -236,8 +234,8 @@ def train(config: Config, signals: StopSignals) -> int:
         for part in (checkpointer, dataloader, metrics, collector, replicas, heartbeat):
             part.close()
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
-        hf_folder = dump_folder / "hf" / f"step-{training.steps}"
-        export(config, model_package, checkpointer.folder / f"step-{training.steps}", hf_folder,
+        last = f"step-{training.steps}"
+        export(config, model_package, checkpointer.folder / last, dump_folder / "hf" / last,
                config.checkpoint.export_dtype)
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
     return 0

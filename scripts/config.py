@@ -5,6 +5,7 @@ the two in step); with overrides instead, it prints the resolved config as TOML
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -72,11 +73,24 @@ def markdown_reference() -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--markdown"]:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.config", allow_abbrev=False,
+        description="The configuration reference (--markdown, docs/configuration.md), or the config that a config file "
+                    "and --section.key value overrides resolve to, as TOML.",
+        epilog="example: python -m scripts.config --job.config_file llama3_8b.toml --training.steps 10")
+    parser.add_argument("--markdown", action="store_true", help="print the reference of every key (default: off)")
+    options, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if options.markdown:
         print(markdown_reference(), end="")
-    else:
-        try:
-            print(to_toml(load_config(sys.argv[1:], model_config_class)), end="")
-        except ConfigError as e:
-            sys.exit(f"config error: {e}")
+        return 0
+    try:
+        print(to_toml(load_config(overrides, model_config_class)), end="")
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -230,9 +230,9 @@ def test_a_fork_with_its_own_moe_module_keeps_load_balancing_metrics_and_the_com
     the data-dependent expert computation out of the blocks' graphs. Its renamed modules keep the Hugging Face form
     (Qwen3-MoE's, which transformers loads to the same logits)."""
     import models.moe
-    from models.mymoe import model as fork_model
+    from models.mymoe import moe as fork_moe
 
-    assert fork_model.MoE is not models.moe.MoE
+    assert fork_moe.MoE is not models.moe.MoE
     dump = moe_fork / "run"
     assert train_in_process([*MOE_FORK_RUN, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
                              "--job.dump_folder", str(dump)]) == 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -73,9 +73,10 @@ class StepTimes:
         self.own, self.steps = 0.0, 0
         self.streaks, self.named = [0] * self.world, set()
 
-    def reading(self, batches: Iterator) -> Iterator:
+    def reading(self, batches: Iterable) -> Iterator:
         """`batches`, the time this thread waits for each counted as its own (a data loader's worker processes
         work elsewhere: waiting for them is this rank's)."""
+        batches = iter(batches)
         while True:
             start = time.perf_counter()
             try:
