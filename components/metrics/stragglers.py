@@ -67,23 +67,24 @@ class StepTimes:
         self.factor = factor
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.measured = self.world > 1 and device.type == "cpu" and active_seconds() is not None
-        self.data_wait = 0.0  # seconds waited for the data loader since the last step
+        self.data_wait = 0.0  # seconds blocked waiting for the data loader since the last step
         self.stage = dist.get_rank(pp_group) if pp_group is not None else 0  # the rank's pipeline stage
         self.last = None  # active_seconds() when the previous step ended
         self.own, self.steps = 0.0, 0
         self.streaks, self.named = [0] * self.world, set()
 
     def reading(self, batches: Iterable) -> Iterator:
-        """`batches`, the time this thread waits for each counted as its own (a data loader's worker processes
-        work elsewhere: waiting for them is this rank's)."""
+        """`batches`, the time this thread is blocked waiting for each counted as its own (a data loader's worker
+        processes work elsewhere: waiting for them is this rank's; loading in this thread is active time already)."""
         batches = iter(batches)
         while True:
-            start = time.perf_counter()
+            wall, active = time.perf_counter(), active_seconds() if self.measured else None
             try:
                 batch = next(batches)
             except StopIteration:
                 return
-            self.data_wait += time.perf_counter() - start
+            if active is not None:
+                self.data_wait += time.perf_counter() - wall - (active_seconds() - active)
             yield batch
 
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
