@@ -202,14 +202,6 @@ def val_losses(dump: Path) -> dict[int, float]:
 
 
 @pytest.fixture
-def documents_clone(tmp_path_factory) -> Path:
-    """The folder, shared by the pytest-xdist workers of this run, where the documented commands run in one clone
-    (tests/docs_commands.py, `run_first` and `run_share`)."""
-    base = tmp_path_factory.getbasetemp()
-    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "documented_commands"
-
-
-@pytest.fixture
 def train_in_process():
     return train_main
 
@@ -311,9 +303,8 @@ def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int, forks: Pa
 
 
 FIRST = "test_docs_run_in_order.py"
-"""The first share of the documented commands, the suite's longest test with the second
-(test_docs_run_in_order_second_share.py, which waits for this one's README commands): run first, so that the other
-worker runs the files before the second share meanwhile, and neither waits for the other at the end."""
+"""The suite's longest test (a third of its time): run first, so that under pytest-xdist the other worker runs
+the rest meanwhile instead of waiting for it at the end."""
 
 
 def pytest_sessionstart(session):

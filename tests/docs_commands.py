@@ -22,11 +22,10 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 Each runs with bash in one scratch clone of the repository (the files git sees: tracked, and untracked but not
 ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md run
 first, in order; then the other documents, each whole and in order, LANES at once (the cores would otherwise idle
-through the commands' single-threaded start-up and their waits), the longest first. A command thus finds what
-README.md, getting_started.md and the earlier commands of its own document wrote, as a reader who follows the
-README and then any page finds it; the documents keep to their own dump folders (`shared_folders`, a test). The
-clone is deleted when every command did as documented. The suite runs them as SHARES tests, one per pytest-xdist
-worker (`run_share`): FIRST once, in one clone, then each test its share of the other documents in that clone.
+through the commands' single-threaded start-up and their waits; the other pytest-xdist worker shares them), the
+longest first. A command thus finds what README.md, getting_started.md and the earlier commands of its own
+document wrote, as a reader who follows the README and then any page finds it; the documents keep to their own
+dump folders (`shared_folders`, a test). The clone is deleted when every command did as documented.
 Training commands run exactly as typed: the documents give their examples few steps and a folder of their own.
 What the runner changes, and why:
 - The install is not redone: the `python3 -m venv`, `. .venv/bin/activate` and `pip install` parts of a
@@ -48,8 +47,6 @@ What the runner changes, and why:
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import fcntl
 import json
 import os
 import re
@@ -60,9 +57,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +86,6 @@ TIMED_OUT = 124  # the status a timed-out command gets, as timeout(1) gives
 FIRST = ("README.md", "docs/getting_started.md")
 """The documents every other one follows."""
 LANES = 2
-SHARES = 2
-"""The tests that run the documents (tests/test_docs_run_in_order*.py), each on a pytest-xdist worker of its own."""
 NOTHING_TRAINED = "nothing trained: the checkpoint in"
 """What train.py logs when a launch finds its run finished."""
 
@@ -349,73 +343,6 @@ def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
     if not keep and not any(o.problem for o in outcomes.values()):
         shutil.rmtree(clone, ignore_errors=True)
     return [outcomes[c] for c in commands]
-
-
-def shares(commands: list[Command], count: int = SHARES) -> list[list[str]]:
-    """The documents after FIRST dealt into `count` shares of about as many commands to run, the longest documents
-    first, the first share's count including FIRST's (which it reports)."""
-    loads = [sum(not c.skip for c in commands if c.document in FIRST)] + [0] * (count - 1)
-    dealt: list[list[str]] = [[] for _ in range(count)]
-    for document, document_commands in by_document([c for c in commands if c.document not in FIRST]).items():
-        least = loads.index(min(loads))
-        dealt[least].append(document)
-        loads[least] += sum(not c.skip for c in document_commands)
-    return dealt
-
-
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Held by one process at a time (the pytest-xdist workers' shares)."""
-    with path.open("a") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
-
-
-def _saved(outcomes: list[Outcome]) -> str:
-    return json.dumps([dataclasses.asdict(o) for o in outcomes])
-
-
-def _loaded(text: str) -> list[Outcome]:
-    return [Outcome(Command(**o.pop("command")), **o) for o in json.loads(text)]
-
-
-def run_first(repo: Path, shared: Path, progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
-    """FIRST's outcomes in the clone `shared`/clone that the shares use (`run_share`): run there by the share that
-    comes first, while the others wait for them."""
-    clone, record = shared / "clone", shared / "first.json"
-    shared.mkdir(parents=True, exist_ok=True)
-    with locked(shared / "lock"):
-        if record.exists():
-            return _loaded(record.read_text())
-        copy_repository(repo, clone)
-        first = []
-        for command in (c for c in read_commands(clone) if c.document in FIRST):
-            first.append(run_command(command, clone))
-            progress(first[-1])
-        record.write_text(_saved(first))
-    return first
-
-
-def run_share(shared: Path, share: int, count: int = SHARES,
-              progress: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
-    """The outcomes of share `share` of `count` of the documents after FIRST (`shares`), one after the other, in the
-    clone where `run_first` ran FIRST. The clone goes when the last share ends and every command did as
-    documented."""
-    clone = shared / "clone"
-    mine = shares(read_commands(clone), count)[share]
-    outcomes = []
-    for command in (c for c in read_commands(clone) if c.document in mine):
-        outcomes.append(run_command(command, clone))
-        progress(outcomes[-1])
-    with locked(shared / "lock"):
-        (shared / f"share-{share}.json").write_text(_saved(outcomes))
-        records = [shared / "first.json", *(shared / f"share-{i}.json" for i in range(count))]
-        if all(p.exists() for p in records) and not any(o.problem for p in records for o in _loaded(p.read_text())):
-            shutil.rmtree(clone, ignore_errors=True)
-    return outcomes
 
 
 def shared_folders(commands: list[Command]) -> dict[str, list[str]]:

@@ -1,29 +1,16 @@
 """Every command of README.md and docs/*.md runs as documented and as typed, in order, in one scratch clone of
-the repository; tests/docs_commands.py states the rules. The slowest tests of the suite, in two shares that the
-pytest-xdist workers run at once (this file and test_docs_run_in_order_second_share.py): most of their time is the
-commands' processes' start-up, and the README's quick start (200 steps); their reports (kept when they fail) give
-each command's CPU seconds."""
+the repository; tests/docs_commands.py states the rules. The slowest test of the suite: most of its time is the
+commands' processes' start-up, and the README's quick start (200 steps); its report (kept when it fails) gives each
+command's CPU seconds."""
 
 import re
+import shutil
 import subprocess
-from pathlib import Path
 
 import docs_commands
 import pytest
 from conftest import REPO, metric_lines
-from docs_commands import (
-    FIRST,
-    SHARES,
-    TIMED_OUT,
-    read_commands,
-    report,
-    run,
-    run_commands,
-    run_first,
-    run_share,
-    shared_folders,
-    shares,
-)
+from docs_commands import TIMED_OUT, read_commands, report, run, run_commands, shared_folders
 
 
 def describe(outcome) -> str:
@@ -31,43 +18,29 @@ def describe(outcome) -> str:
     return f"{outcome.command.where}: {outcome.ran}\n{outcome.problem}; the last 30 lines:\n{tail}"
 
 
-def assert_as_documented(outcomes, report_path: Path) -> None:
-    """Every command of `outcomes` did as documented (the report of them written to `report_path`)."""
-    report_path.write_text(report(outcomes))
-    assert [o for o in outcomes if o.ran], "no documented command ran"
-    failed = [o for o in outcomes if o.problem]
-    assert not failed, f"{len(failed)} command(s) not as documented (report: {report_path}):\n\n" + (
-        "\n\n".join(describe(o) for o in failed))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_the_readme_then_the_first_share_of_the_documents_run_as_documented(documents_clone, tmp_path):
-    """README.md and getting_started.md once for both shares (the other: test_docs_run_in_order_second_share.py),
-    what the quick start writes, then this share's documents."""
-    first = run_first(REPO, documents_clone)
-    assert_as_documented(first, tmp_path / "first.md")
+def test_the_documented_commands_run_in_order(tmp_path):
+    outcomes = run_commands(REPO, tmp_path / "repo", keep=True)
+    (tmp_path / "report.md").write_text(report(outcomes))
+    assert [o for o in outcomes if o.ran], "no documented command ran"
+    failed = [o for o in outcomes if o.problem]
+    assert not failed, f"{len(failed)} command(s) not as documented (report: {tmp_path / 'report.md'}):\n\n" + (
+        "\n\n".join(describe(o) for o in failed))
     # The README's quick start, as README.md and docs/getting_started.md describe it.
-    quick_start = next(o for o in first if o.command.document == "README.md" and o.ran == "./run_train.sh")
+    quick_start = next(o for o in outcomes if o.command.document == "README.md" and o.ran == "./run_train.sh")
     losses = [float(loss) for loss in re.findall(r"step +\d+ +loss +([\d.]+)", quick_start.output)]
     assert len(losses) == 200 and round(losses[0], 1) == 8.8, losses[:3]  # "from 8.8 to about 5.5 (the mean of
     assert sum(losses[-10:]) / 10 == pytest.approx(5.5, abs=0.15), losses[-10:]  # the last 10 steps)"
     assert "no MFU on cpu" in quick_start.output and " mfu " not in quick_start.output  # "a CPU run logs none"
-    run = documents_clone / "clone" / "outputs" / "debug_model"
+    run = tmp_path / "repo" / "clone" / "outputs" / "debug_model"
     metrics = metric_lines(run)
     assert [m["step"] for m in metrics] == list(range(1, 201)) and all(m["mfu"] is None for m in metrics)
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib", "skipped_steps",
             "nonfinite_steps", "spike_steps", "param_norm"} <= set(metrics[0])
     assert list((run / "tb").glob("events.out.tfevents.*")) and (run / "config.toml").read_text().startswith("# git")
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-100", "step-200"]
-    assert_as_documented(run_share(documents_clone, 0), tmp_path / "report.md")
-
-
-def test_the_shares_deal_every_document_after_the_readme_once():
-    commands = read_commands(REPO)
-    dealt = shares(commands)
-    assert len(dealt) == SHARES and all(dealt)
-    assert sorted(d for share in dealt for d in share) == sorted({c.document for c in commands} - set(FIRST))
+    shutil.rmtree(tmp_path / "repo" / "clone")  # a gigabyte of checkpoints
 
 
 def test_the_documents_run_in_one_clone_after_the_readme_and_a_command_that_trains_nothing_must_say_so(tmp_path):
