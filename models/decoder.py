@@ -138,7 +138,9 @@ class Decoder(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope, masks = rope_and_masks(self, self.rope, document_ids)
         for block in self.layers.values():
-            h = block(h, rope, mask=masks.get(block.attention.attention_mask), document_ids=document_ids)
+            # A block whose token mixer is not attention (a recurrent layer) declares no mask.
+            mask = masks.get(getattr(block.attention, "attention_mask", None))
+            h = block(h, rope, mask=mask, document_ids=document_ids)
         return (self.norm(h) if self.norm is not None else h), rope, masks
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,6 +62,9 @@ class MoEArgs:
     z_loss_coef: float = 0.0
     hidden_act: str = "silu"
     """The experts' activation, by Hugging Face's name (models/activations.py): SwiGLU with silu."""
+    shared_gate: bool = False
+    """A sigmoid gate on the shared experts' output, one logit per token (Qwen2-MoE's and Qwen3.5's
+    shared_expert_gate)."""
     router_bias: bool = False
     """A learned bias on the router's logits (gpt-oss), which takes part in the scores, unlike expert_bias."""
 
@@ -200,6 +203,7 @@ class MoE(nn.Module):
                         else GroupedExperts(dim, args.hidden_dim, args.num_experts, args.hidden_act))
         self.shared_experts = (FeedForward(dim, args.hidden_dim * args.num_shared_experts, args.hidden_act)
                                if args.num_shared_experts else None)
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate and args.num_shared_experts else None
         self.dispatcher = LocalDispatch()
         # The routing bias is state to checkpoint; the counts and the auxiliary loss are
         # bookkeeping between optimizer steps (summed over micro-batches, read by the trainer).
@@ -225,6 +229,8 @@ class MoE(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.shared_experts is not None:  # the feed-forward every token goes through besides its routed experts
             self.shared_experts.init_weights(std, out_std)
+        if self.shared_gate is not None:
+            nn.init.trunc_normal_(self.shared_gate.weight, mean=0.0, std=std)
         self.expert_bias.zero_()
         self.reset_tally()
 
@@ -246,7 +252,8 @@ class MoE(nn.Module):
         # that an in-place op on a view returned by a module it wraps would skip its backward hook).
         out = (slots * weights.view(batch, seq, -1, 1).to(slots.dtype)).sum(2)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            out = out + (shared if self.shared_gate is None else self.shared_gate(x).sigmoid() * shared)
         if self.training:
             aux, z = self.balancing_losses(logits, scores, experts, batch)
             record_routing(self, counts, aux)

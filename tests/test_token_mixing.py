@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from components.config import ConfigError, load_config
 from components.distributed.mesh import ParallelDims
 from components.model.layout_checks import check_token_mixing
-from components.model.token_mixing import causal_conv, gated_linear_recurrence
+from components.model.token_mixing import causal_conv, gated_delta_rule, gated_linear_recurrence
 from components.model.undeclared_mixing import undeclared_mixing
 from models import deepseek_v3, gpt_oss, llama3, qwen3
 from models.families import model_config_class
@@ -63,6 +63,40 @@ def test_the_chunked_recurrence_is_its_token_by_token_definition_forward_and_bac
         got.pow(2).sum().backward()
         expected.pow(2).sum().backward()
         for name, a, b in zip(("q", "k", "v", "log_decay"), inputs, reference):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def delta_rule_token_by_token(q, k, v, log_decay, beta, document_ids=None):
+    """The gated delta rule's definition, as transformers' reference recurrence computes it: the state decayed, the
+    value it predicts for k_t corrected by beta_t towards v_t, then read by q_t; zero at a document's start."""
+    state = torch.zeros(*k.shape[:1], k.shape[2], k.shape[3], v.shape[3], dtype=q.dtype)
+    outputs = []
+    for t in range(k.shape[1]):
+        starts = torch.full((len(k),), t == 0) if document_ids is None or t == 0 else \
+            document_ids[:, t] != document_ids[:, t - 1]
+        state = state * torch.where(starts[:, None], 0.0, log_decay[:, t].exp())[..., None, None]
+        predicted = (state * k[:, t, ..., None]).sum(-2)
+        state = state + k[:, t, ..., None] * ((v[:, t] - predicted) * beta[:, t, ..., None])[..., None, :]
+        outputs.append((state * q[:, t, ..., None]).sum(-2))
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_the_chunked_delta_rule_is_its_token_by_token_definition_forward_and_backward(chunk):
+    generator = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(2, 37, 3, 4, generator=generator, dtype=torch.float64), dim=-1) for _ in range(2))
+    v = torch.randn(2, 37, 3, 5, generator=generator, dtype=torch.float64)
+    log_decay = -torch.rand(2, 37, 3, generator=generator, dtype=torch.float64)
+    beta = torch.rand(2, 37, 3, generator=generator, dtype=torch.float64)
+    for ids in (None, packed_rows(2, 37, 6)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, log_decay, beta)]
+        reference = [t.clone().requires_grad_() for t in (q, k, v, log_decay, beta)]
+        got = gated_delta_rule(*inputs, document_ids=ids, chunk=chunk)
+        expected = delta_rule_token_by_token(*reference, document_ids=ids)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        got.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for name, a, b in zip(("q", "k", "v", "log_decay", "beta"), inputs, reference):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9, msg=name)
 
 

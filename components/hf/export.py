@@ -57,11 +57,13 @@ def checkpoint_shapes(checkpoint: Path, expected: dict[str, torch.Size]) -> dict
     return found
 
 
-def plan_files(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive names in groups of at most max_bytes (a larger tensor gets a file of its own)."""
+def plan_files(names: list[str], nbytes: dict[str, int], max_bytes: int, joined: set[str] = frozenset()
+               ) -> list[list[str]]:
+    """Consecutive names in groups of at most max_bytes (a larger tensor gets a file of its own); a name in
+    `joined` stays in the file of the name before it (to_hf joins them into one Hugging Face tensor)."""
     files, size = [[]], 0
     for name in names:
-        if files[-1] and size + nbytes[name] > max_bytes:
+        if files[-1] and size + nbytes[name] > max_bytes and name not in joined:
             files.append([])
             size = 0
         files[-1].append(name)
@@ -198,7 +200,9 @@ def write_weights(
     exported = [name for name, tensor in expected.items() if package.to_hf({name: tensor}, args)]
     nbytes = {name: sum(t.numel() for t in package.to_hf({name: expected[name]}, args).values()) * dtype.itemsize
               for name in exported}  # an ingot tensor may have several HF names
-    files = plan_files(exported, nbytes, max_bytes)
+    hf_names = {name: set(package.to_hf({name: expected[name]}, args)) for name in exported}
+    joined = {name for before, name in zip(exported, exported[1:]) if hf_names[name] & hf_names[before]}
+    files = plan_files(exported, nbytes, max_bytes, joined)
     weight_map = {}
     for i, names in enumerate(files, start=1):
         file_name = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor
 
 from components.checkpoint.dcp import ModelState
 from components.config import ConfigError
@@ -88,3 +89,20 @@ def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleTyp
         raise ConfigError(f"the Hugging Face model in {path} lacks {len(missing)} weight(s) of this model, first "
                           f"{missing[0]}: its config and the ingot config agree, but not its files")
     dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
+    write_back_joined(package, hf_state, ModelState(model_parts).state_dict(), args)
+
+
+def write_back_joined(package: ModuleType, hf_state: dict, state: dict, args) -> None:
+    """A Hugging Face tensor that joins several of the model's (Qwen3.5's q, k and v projections) is a copy that
+    to_hf made, not a view: DCP filled the copy, and from_hf's parts of it are written into the parameters."""
+    views = {_storage(t) for t in state.values()}
+    joined = {name: t for name, t in hf_state.items() if _storage(t) not in views}
+    with torch.no_grad():
+        for name, part in package.from_hf(joined, args).items():
+            if name in state and not name.endswith("expert_bias"):
+                state[name].copy_(part)
+
+
+def _storage(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.untyped_storage().data_ptr()

@@ -6,7 +6,8 @@ A module that mixes positions declares which kind it is by two attributes, found
 - a causal convolution along the sequence (`ConvolutionLayer`): `conv_window`, the kernel size k (position t
   reads t - k + 1 .. t), and `conv`, the kernel it calls, `causal_conv` by default;
 - a recurrent layer (`RecurrentLayer`): `recurrence`, the kernel that carries a state along the sequence, one per
-  head (linear attention, gated linear recurrences, the gated delta rule), `gated_linear_recurrence` here.
+  head (linear attention, gated linear recurrences, the gated delta rule): `gated_linear_recurrence` and
+  `gated_delta_rule` here.
 
 Both kernels see whole sequences of their input, in order, and the whole sequence's document ids: a document's
 first token starts the convolution's window and the recurrent state afresh. They treat each channel (conv) or head
@@ -82,8 +83,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tenso
 
 
 RECURRENCE_CHUNK = 64
-"""Positions `gated_linear_recurrence` computes at once: within a chunk as masked matrix products, across chunks
-through the state."""
+"""Positions `gated_linear_recurrence` and `gated_delta_rule` compute at once: within a chunk as masked matrix
+products, across chunks through the state."""
 
 
 def gated_linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -121,5 +122,54 @@ def gated_linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         kept = (doc[:, :1] == previous_document[:, None]) & (doc[:, -1:] == doc[:, :1])  # no document started
         state = (kept[:, :, None, None] * cumulative[..., -1:, None].exp() * state
                  + (kc * to_end[..., None]).transpose(-2, -1) @ vc)
+        previous_document = doc[:, -1]
+    return torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor,
+                     document_ids: torch.Tensor | None = None, chunk: int = RECURRENCE_CHUNK) -> torch.Tensor:
+    """The gated delta rule per head (Gated DeltaNet, Yang et al. 2024; Qwen3.5's and Qwen3-Next's linear attention):
+    S_t = exp(log_decay_t) S_(t-1) (I - beta_t k_t k_t^T) + beta_t k_t v_t^T, out_t = S_t^T q_t, the state zero at
+    each document's first token: the `RecurrentLayer`'s kernel for q, k (batch, seq, heads, key_dim), v (batch, seq,
+    heads, value_dim), log_decay <= 0 and beta in [0, 1] (batch, seq, heads). Normalizing and scaling q and k is the
+    caller's part.
+
+    Computed by chunks (the WY form of DeltaNet's chunked algorithm): within one, the delta rule's corrections
+    u = T beta v and the keys' reads of the state w = T beta k exp(L) solve one unit lower-triangular system
+    T^-1 = I + strictly_lower(beta_t k_t . k_s exp(L_t - L_s)), L the decay's running sum from the chunk's start,
+    masked to t's document; then the values written are u - w S, out = exp(L) q S + (q k^T masked, decayed)
+    (u - w S), and S moves on to the chunk's end. Terms of the state are dropped for a document that begins inside
+    the chunk."""
+    batch, seq, heads, key_dim = k.shape
+    dtype, compute = v.dtype, torch.promote_types(v.dtype, torch.float32)  # at least float32
+    q, k, v = (t.transpose(1, 2).to(compute) for t in (q, k, v))  # (batch, heads, seq, dim)
+    log_decay, beta = (t.transpose(1, 2).to(compute) for t in (log_decay, beta))  # (batch, heads, seq)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=q.device) if document_ids is None else document_ids
+    state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
+    previous_document = ids.new_full((batch,), -1)  # the document of the token before the chunk
+    outputs = []
+    for start in range(0, seq, chunk):
+        end = min(start + chunk, seq)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end, None]
+        cumulative = log_decay[:, :, start:end].cumsum(-1)  # L_t
+        doc = ids[:, start:end]
+        same = (doc[:, :, None] == doc[:, None, :])[:, None]  # (batch, 1, t, s)
+        causal = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal & same, cumulative[..., :, None] - cumulative[..., None, :], float("-inf")).exp()
+        carries = (doc == previous_document[:, None])[:, None, :, None]  # t's document began before the chunk
+        from_start = carries * cumulative.exp()[..., None]  # the decay of the state up to t, 0 in a new document
+        system = torch.eye(end - start, dtype=compute, device=q.device) + ((bc * kc) @ kc.transpose(-2, -1) * decay
+                                                                           ).tril(-1)
+        corrections = torch.linalg.solve_triangular(system, torch.cat([bc * vc, bc * kc * from_start], -1),
+                                                    upper=False, unitriangular=True)
+        u, w = corrections.split([vc.shape[-1], key_dim], dim=-1)
+        written = u - w @ state
+        outputs.append(from_start * (qc @ state) + (qc @ kc.transpose(-2, -1) * decay) @ written)
+        # The state after the chunk: from the chunk's last document only (a document start zeroes what came before).
+        last = (doc == doc[:, -1:])[:, None, :]  # (batch, 1, s)
+        to_end = torch.where(last, cumulative[..., -1:] - cumulative, float("-inf")).exp()  # (batch, heads, s)
+        kept = (doc[:, :1] == previous_document[:, None]) & (doc[:, -1:] == doc[:, :1])  # no document started
+        state = (kept[:, :, None, None] * cumulative[..., -1:, None].exp() * state
+                 + (kc * to_end[..., None]).transpose(-2, -1) @ written)
         previous_document = doc[:, -1]
     return torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
