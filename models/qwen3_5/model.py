@@ -196,6 +196,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_head_dim, args.norm_eps)
         self.wo = nn.Linear(value_dim, args.dim, bias=False)
 
+    @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv, self.wz, self.wb, self.wa):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)

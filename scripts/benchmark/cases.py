@@ -86,6 +86,13 @@ GPT_OSS_20B_4_LAYERS = (*GPU_BASE, "--job.config_file", "debug_gpt_oss.toml", "-
                         "--model.n_layers", "4", "--model.rope_factor", "1", "--training.seq_len", "8192",
                         "--training.local_batch_size", "1")
 GPT_OSS_FULL_ATTENTION = ("--model.sliding_window", "8192")
+# Qwen3.5 27B's shape cut to 4 blocks (3 Gated DeltaNet, 1 full attention) at 32K tokens with full AC (the linear
+# layers' delta rule in PyTorch, chunked: no flash-linear-attention on the device); its saving against the same shape
+# with full attention in every block.
+QWEN3_5_27B_4_LAYERS = (*GPU_BASE, "--job.config_file", "debug_qwen3_5.toml", "--model.flavor", "27B",
+                        "--model.n_layers", "4", "--training.seq_len", "32768", "--training.local_batch_size", "1",
+                        *TECHNIQUES["AC full"])
+QWEN3_5_FULL_ATTENTION = ("--model.full_attention_interval", "1")
 ALL_TECHNIQUES = list(TECHNIQUES)
 # Document masking and every-2nd-block AC are measured on 1B; left out of 8B for the time budget.
 FEWER_TECHNIQUES = [name for name in TECHNIQUES if name not in ("AC selective 2", "document masking")]
@@ -107,7 +114,9 @@ PRESETS = {
               + model_cases("8B-4-layers", LLAMA_8B_4_LAYERS, FEWER_TECHNIQUES, fsdp=False)
               + model_cases("DeepSeek-V3-16B-8-layers", DEEPSEEK_V3_16B_8_LAYERS, ["compile"], fsdp=False)
               + model_cases("gpt-oss-20B-4-layers", GPT_OSS_20B_4_LAYERS, ["compile"], fsdp=False)
-              + [Case("gpt-oss-20B-4-layers full attention", GPT_OSS_20B_4_LAYERS + GPT_OSS_FULL_ATTENTION)]),
+              + [Case("gpt-oss-20B-4-layers full attention", GPT_OSS_20B_4_LAYERS + GPT_OSS_FULL_ATTENTION)]
+              + model_cases("Qwen3.5-27B-4-layers seq 32768", QWEN3_5_27B_4_LAYERS, ["compile"], fsdp=False)
+              + [Case("Qwen3.5-27B-4-layers seq 32768 full attention", QWEN3_5_27B_4_LAYERS + QWEN3_5_FULL_ATTENTION)]),
         steps=20, warmup=5, needs_gpu=True,
     ),
 }
