@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -19,13 +20,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._pytree import tree_map
 
 __all__ = [
-    "AsyncCollectiveTensor", "all_to_all_single_autograd", "checkpoint_wrapper", "tree_map",
+    "AsyncCollectiveTensor", "all_gather_autograd", "all_to_all_single_autograd", "checkpoint_wrapper", "tree_map",
     "default_store", "dump_memory_snapshot", "enable_micro_pipeline_tp", "grouped_mm", "has_grouped_mm",
     "in_backward", "record_memory_history", "seed_dtensor_random", "set_group_timeout", "shard_offset",
 ]
 # Re-exported as they are:
-# - all_to_all_single_autograd, AsyncCollectiveTensor: functional collectives, DTensor's own; the all-to-all is the
-#   differentiable one torch.compile traces (torch.distributed.nn's is not traced), the tensor what they return.
+# - all_to_all_single_autograd, AsyncCollectiveTensor: functional collectives, DTensor's own; the differentiable ones
+#   torch.compile traces (torch.distributed.nn's are not traced), the tensor they return.
 # - checkpoint_wrapper: activation checkpointing as a module wrapper, which FSDP2 and compile wrap in turn;
 #   torch.utils.checkpoint has only the function.
 # - tree_map: applying a function to every tensor of a nested state dict; torch has no public pytree module.
@@ -95,3 +96,11 @@ def enable_micro_pipeline_tp(group_name: str) -> None:
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(group_name)
+
+
+def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, differentiable (the backward reduce-scatters the gradients) and traced
+    by torch.compile: the functional collective, all_gather_single_autograd from torch 2.13 (which deprecates the
+    older name, all_gather_tensor_autograd, the one 2.11 has)."""
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(x, 0, group)

@@ -66,7 +66,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"], config.training.seq_len, p.context_parallel_method,
                                heads_per_rank=model.args.n_heads // dims.tp,
-                               document_masking=config.training.document_masking)
+                               document_masking=config.training.document_masking, mixers=p.context_parallel_mixers)
     for blocks in groups:
         apply_activation_checkpointing(blocks, config.activation_checkpoint.mode,
                                        config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,

@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
+
 
 class HFNames:
     """ingot <-> Hugging Face names of a decoder's parameters: `top_level` {ingot: HF} for the ends, `in_block`
@@ -59,3 +61,28 @@ def as_flavor(args, flavors: dict, hf_config: Callable[[object], dict], keys: di
             return replace(flavor, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
                            **{key: getattr(args, key) for key in kept})
     return args
+
+
+def has_hf_form(name: str, tied: bool) -> bool:
+    """Whether an ingot tensor has a Hugging Face counterpart: not the routing bias of auxiliary-loss-free balancing
+    (`expert_bias`, which HF's MoE models lack) nor, with `tied` embeddings, the output layer (HF files hold the
+    matrix once, as the embedding)."""
+    return not (name.endswith(".feed_forward.expert_bias") or (tied and name == "output.weight"))
+
+
+def is_imported(hf_name: str, tied: bool) -> bool:
+    """Whether an HF tensor is a weight to import: not RoPE's inv_freq buffer nor, with `tied` embeddings, the copy of
+    the embedding that some tied checkpoints store as lm_head.weight."""
+    return not (hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"))
+
+
+def complete_import(renamed: dict, tied: bool) -> dict:
+    """An imported state dict (ingot names) completed with what HF files lack: a zero routing bias for each
+    mixture-of-experts router, and with `tied` embeddings the output layer as the embedding."""
+    for name in list(renamed):
+        router = re.fullmatch(r"(layers\.\d+\.feed_forward)\.router\.gate\.weight", name)
+        if router:
+            renamed[f"{router[1]}.expert_bias"] = torch.zeros(renamed[name].shape[0])
+    if tied and "tok_embeddings.weight" in renamed:
+        renamed["output.weight"] = renamed["tok_embeddings.weight"]
+    return renamed

@@ -264,7 +264,8 @@ def check_declared_attention(model: nn.Module, method: str) -> None:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "allgather",
-                           heads_per_rank: int | None = None, document_masking: bool = False) -> nn.Module:
+                           heads_per_rank: int | None = None, document_masking: bool = False,
+                           mixers: str = "pass_state") -> nn.Module:
     """Make `model` (a whole Transformer or a pipeline stage) run on this rank's share of each sequence
     (zigzag, or by documents under `document_masking`: parallelisms/context_parallel_documents.py): its
     `local_positions` give the positions whose RoPE angles it reads, its `document_mask` builder what the
@@ -272,7 +273,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
     the `method`'s attention, under the mask each declares (`attention_mask`, components/model/attention.py).
     allgather and ring replace the shared kernel (`causal_attention`) and refuse a module whose `sdpa` is the
     model's own: what it computes is not declared. `heads_per_rank`, the query heads of a rank after tensor
-    parallelism, lets alltoall refuse at start-up what it cannot split.
+    parallelism, lets alltoall refuse at start-up what it cannot split. `mixers`: how the convolutions and recurrent
+    layers the model declares see the sequence (parallelisms/sequence_mixers.py's MIXER_METHODS).
 
     The positions live on the mesh's device: the model itself may still be on the meta device."""
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -303,7 +305,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, 
         }[method],
         attention,
     )
-    carry_over_context(model, cp_mesh, facts)  # the convolutions and recurrent layers it declares besides attention
+    carry_over_context(model, cp_mesh, facts, mixers)  # the convolutions and recurrences it declares besides attention
     return model
 
 

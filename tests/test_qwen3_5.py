@@ -2,8 +2,9 @@
 transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM through the converter (import and export) and
 load_hf_weights, tied and untied; the published sizes; honest FLOPs; one-line refusals; and every layout against one
 process on the shipped corpus: FSDP, HSDP, TP with and without sequence parallelism (both layer kinds split by
-heads), PP, EP, CP by each method (the DeltaNet layers' convolution and state carried over the ranks) also on
-documents and at degree 4, activation checkpointing and compile.
+heads), PP, EP, CP by each method for attention, the DeltaNet layers' state passed between the ranks in sequence
+order or their heads shared out by all-to-all, also on documents and at degree 4, activation checkpointing and
+compile.
 
 Every comparison of logits prints its relative error and largest absolute difference (run with -s)."""
 
@@ -167,14 +168,16 @@ def test_a_degree_that_does_not_split_the_delta_net_heads_is_refused(train_in_pr
 STEPS = 4
 DOCUMENTS = ["--training.document_masking", "true"]
 METHOD = "--parallelism.context_parallel_method"
+MIXERS = ["--parallelism.context_parallel_mixers", "alltoall"]  # the DeltaNet layers' heads shared out, not the state
 LAYOUTS = {
     "dense": {
         "one_process": layout(), "one_process_documents": layout(extra=DOCUMENTS),
         "fsdp2": layout(dp_shard=2), "hsdp_2x2": layout(dp_replicate=2, dp_shard=2),
         "tp2": layout(tp=2),
         "tp2_no_sequence_parallel": layout(tp=2, extra=["--parallelism.sequence_parallel", "false"]),
-        "cp2_allgather": layout(cp=2), "cp2_ring": layout(cp=2, extra=[METHOD, "ring"]),
+        "cp2_allgather": layout(cp=2), "cp2_ring_mixers_alltoall": layout(cp=2, extra=[METHOD, "ring", *MIXERS]),
         "cp2_alltoall_documents": layout(cp=2, extra=[METHOD, "alltoall", *DOCUMENTS]),
+        "cp2_documents_mixers_alltoall": layout(cp=2, extra=[*MIXERS, *DOCUMENTS]),
         "cp4_ring_documents": layout(cp=4, extra=[METHOD, "ring", *DOCUMENTS]),
         "cp2_tp2_documents": layout(cp=2, tp=2, extra=DOCUMENTS),
         "pp2_documents": layout(pp=2, extra=DOCUMENTS),

@@ -186,10 +186,16 @@ def test_an_undeclared_shift_is_refused_by_each_layout_that_splits_the_sequence_
 # --- Several gloo processes ------------------------------------------------------------------
 
 
+METHODS_AND_MIXERS = (("allgather", "pass_state"), ("ring", "alltoall"), ("alltoall", "pass_state"),
+                      ("alltoall", "alltoall"))
+"""Each attention method, and each way the mixers see the sequence (parallelisms/sequence_mixers.py)."""
+
+
 def check_under_context_parallelism(cp_mesh, root) -> None:
     """Logits, and parameter gradients summed over the ranks, of each declared mixer's fork under each method,
-    with and without documents, are one process's."""
-    seq_len = 16
+    with and without documents, are one process's (32 tokens: a chunk of 4 at degree 4 holds what the window-4
+    convolution reads back)."""
+    seq_len = 32
     inputs, labels = (t for t in torch.randint(0, 97, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
                       .split([seq_len, 1], dim=1)[:1] * 2)
     labels = inputs.roll(-1, dims=1)
@@ -197,11 +203,11 @@ def check_under_context_parallelism(cp_mesh, root) -> None:
         _, reference = fork_model(root, mixer, seq_len)
         logits = reference(inputs, documents)
         F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-        for method in ("allgather", "ring", "alltoall"):
+        for method, mixers in METHODS_AND_MIXERS:
             model = apply_context_parallel(copy.deepcopy(reference), cp_mesh, seq_len, method,
-                                           document_masking=documents is not None)
-            assert_matches_one_process(model, reference, inputs, labels, logits, cp_mesh,
-                                       f"{mixer} {method}{'' if documents is None else ' documents'}", documents)
+                                           document_masking=documents is not None, mixers=mixers)
+            assert_matches_one_process(model, reference, inputs, labels, logits, cp_mesh, f"{mixer} {method} "
+                                       f"{mixers}{'' if documents is None else ' documents'}", documents)
 
 
 def check_under_tensor_parallelism(tp_mesh, root) -> None:

@@ -196,6 +196,11 @@ class Parallelism:
     (every rank gathers all keys and values), ring (keys and values passed around the ranks, no rank holds
     more than two blocks of them) or alltoall (Ulysses: heads exchanged for the sequence; the heads each
     rank holds must divide by the degree)."""
+    context_parallel_mixers: str = "pass_state"
+    """How the token mixers a model declares besides attention (convolutions, recurrences: Gated DeltaNet, docs/
+    models.md) see the sequence under context parallelism: pass_state (each rank keeps its share; a recurrence's
+    state is passed between the ranks in sequence order, a convolution gets the tokens before each chunk) or
+    alltoall (whole sequences of a share of the channels or heads, which must divide by the degree)."""
     expert_parallel_degree: int = 1
     """Mixture-of-experts models: each of this many ranks holds num_experts / N experts, tokens travel
     to them by all-to-all. Uses data-parallel ranks: must divide the data-parallel shard degree."""
@@ -428,6 +433,7 @@ CHOICES = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.context_parallel_method": ("allgather", "ring", "alltoall"),
+    "parallelism.context_parallel_mixers": ("pass_state", "alltoall"),
     "parallelism.pipeline_parallel_schedule": (
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
     ),

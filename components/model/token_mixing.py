@@ -82,13 +82,37 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tenso
     return out
 
 
+def _starting_state(q: torch.Tensor, ids: torch.Tensor, value_dim: int, initial_state: torch.Tensor | None,
+                    previous_document: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A recurrence kernel's state before its first token, and the document of the token before it (-1: none)."""
+    batch, heads, key_dim = q.shape[0], q.shape[1], q.shape[-1]
+    if initial_state is None:
+        return q.new_zeros(batch, heads, key_dim, value_dim), ids.new_full((batch,), -1)
+    return initial_state.to(q.dtype), ids[:, 0] if previous_document is None else previous_document
+
+
+def _to_chunk_end(doc: torch.Tensor, previous_document: torch.Tensor, cumulative: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the state after a chunk is made of, given the chunk's document ids (batch, chunk), the document of the
+    token before it (batch,) and the decay's running sum over it (batch, heads, chunk): each position's decay to the
+    chunk's end (batch, heads, chunk), 0 outside the chunk's last document (a document start zeroes what came
+    before), and the factor of the state the chunk started from (batch, heads, 1, 1): its decay over the chunk, 0
+    where a document started in it."""
+    last = (doc == doc[:, -1:])[:, None, :]
+    to_end = torch.where(last, cumulative[..., -1:] - cumulative, float("-inf")).exp()
+    kept = (doc[:, :1] == previous_document[:, None]) & (doc[:, -1:] == doc[:, :1])  # no document started
+    return to_end, kept[:, :, None, None] * cumulative[..., -1:, None].exp()
+
+
 RECURRENCE_CHUNK = 64
 """Positions `gated_linear_recurrence` and `gated_delta_rule` compute at once: within a chunk as masked matrix
 products, across chunks through the state."""
 
 
 def gated_linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                            document_ids: torch.Tensor | None = None, chunk: int = RECURRENCE_CHUNK) -> torch.Tensor:
+                            document_ids: torch.Tensor | None = None, chunk: int = RECURRENCE_CHUNK, *,
+                            initial_state: torch.Tensor | None = None, previous_document: torch.Tensor | None = None,
+                            final_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A gated linear recurrence per head, S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T, out_t = S_t^T q_t (linear
     attention with a data-dependent decay, as in GLA, Mamba 2 and RetNet), the state zero at each document's first
     token: the `RecurrentLayer`'s kernel for q, k (batch, seq, heads, key_dim), v (batch, seq, heads, value_dim),
@@ -96,14 +120,19 @@ def gated_linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
     Computed by chunks: within one, out_t = sum over s <= t in t's document of exp(L_t - L_s) (q_t . k_s) v_s, L the
     decay's running sum, plus exp(L_t) q_t S where S is the state the chunk starts from, if t's document began
-    before the chunk."""
+    before the chunk.
+
+    `initial_state` (batch, heads, key_dim, value_dim): the state before the first token, carried into it if it is
+    in `previous_document` (batch,: the document of the token before, default the first token's own), for a kernel
+    run on a piece of a longer sequence; with `final_state` the state after the last token is returned too. The
+    output and the final state are linear in v and in the initial state (what passing the state between context-
+    parallel ranks relies on: parallelisms/sequence_mixers.py)."""
     batch, seq, heads, key_dim = k.shape
     dtype, compute = v.dtype, torch.promote_types(v.dtype, torch.float32)  # at least float32
     q, k, v = (t.transpose(1, 2).to(compute) for t in (q, k, v))  # (batch, heads, seq, dim)
     log_decay = log_decay.transpose(1, 2).to(compute)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=q.device) if document_ids is None else document_ids
-    state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
-    previous_document = ids.new_full((batch,), -1)  # the document of the token before the chunk
+    state, previous_document = _starting_state(q, ids, v.shape[-1], initial_state, previous_document)
     outputs = []
     for start in range(0, seq, chunk):
         end = min(start + chunk, seq)
@@ -116,18 +145,17 @@ def gated_linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         weights = torch.where(visible, exponent, float("-inf")).exp() * (qc @ kc.transpose(-2, -1))
         carries = (doc == previous_document[:, None])[:, None, :, None]  # t's document began before the chunk
         outputs.append(weights @ vc + carries * cumulative.exp()[..., None] * (qc @ state))
-        # The state after the chunk: from the chunk's last document only (a document start zeroes what came before).
-        last = (doc == doc[:, -1:])[:, None, :]  # (batch, 1, s)
-        to_end = torch.where(last, cumulative[..., -1:] - cumulative, float("-inf")).exp()  # (batch, heads, s)
-        kept = (doc[:, :1] == previous_document[:, None]) & (doc[:, -1:] == doc[:, :1])  # no document started
-        state = (kept[:, :, None, None] * cumulative[..., -1:, None].exp() * state
-                 + (kc * to_end[..., None]).transpose(-2, -1) @ vc)
+        to_end, kept = _to_chunk_end(doc, previous_document, cumulative)
+        state = kept * state + (kc * to_end[..., None]).transpose(-2, -1) @ vc
         previous_document = doc[:, -1]
-    return torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
+    out = torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
+    return (out, state) if final_state else out
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor,
-                     document_ids: torch.Tensor | None = None, chunk: int = RECURRENCE_CHUNK) -> torch.Tensor:
+                     document_ids: torch.Tensor | None = None, chunk: int = RECURRENCE_CHUNK, *,
+                     initial_state: torch.Tensor | None = None, previous_document: torch.Tensor | None = None,
+                     final_state: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule per head (Gated DeltaNet, Yang et al. 2024; Qwen3.5's and Qwen3-Next's linear attention):
     S_t = exp(log_decay_t) S_(t-1) (I - beta_t k_t k_t^T) + beta_t k_t v_t^T, out_t = S_t^T q_t, the state zero at
     each document's first token: the `RecurrentLayer`'s kernel for q, k (batch, seq, heads, key_dim), v (batch, seq,
@@ -139,14 +167,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
     T^-1 = I + strictly_lower(beta_t k_t . k_s exp(L_t - L_s)), L the decay's running sum from the chunk's start,
     masked to t's document; then the values written are u - w S, out = exp(L) q S + (q k^T masked, decayed)
     (u - w S), and S moves on to the chunk's end. Terms of the state are dropped for a document that begins inside
-    the chunk."""
+    the chunk. `initial_state`, `previous_document` and `final_state` as for `gated_linear_recurrence`."""
     batch, seq, heads, key_dim = k.shape
     dtype, compute = v.dtype, torch.promote_types(v.dtype, torch.float32)  # at least float32
     q, k, v = (t.transpose(1, 2).to(compute) for t in (q, k, v))  # (batch, heads, seq, dim)
     log_decay, beta = (t.transpose(1, 2).to(compute) for t in (log_decay, beta))  # (batch, heads, seq)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=q.device) if document_ids is None else document_ids
-    state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
-    previous_document = ids.new_full((batch,), -1)  # the document of the token before the chunk
+    state, previous_document = _starting_state(q, ids, v.shape[-1], initial_state, previous_document)
     outputs = []
     for start in range(0, seq, chunk):
         end = min(start + chunk, seq)
@@ -165,11 +192,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
         u, w = corrections.split([vc.shape[-1], key_dim], dim=-1)
         written = u - w @ state
         outputs.append(from_start * (qc @ state) + (qc @ kc.transpose(-2, -1) * decay) @ written)
-        # The state after the chunk: from the chunk's last document only (a document start zeroes what came before).
-        last = (doc == doc[:, -1:])[:, None, :]  # (batch, 1, s)
-        to_end = torch.where(last, cumulative[..., -1:] - cumulative, float("-inf")).exp()  # (batch, heads, s)
-        kept = (doc[:, :1] == previous_document[:, None]) & (doc[:, -1:] == doc[:, :1])  # no document started
-        state = (kept[:, :, None, None] * cumulative[..., -1:, None].exp() * state
-                 + (kc * to_end[..., None]).transpose(-2, -1) @ written)
+        to_end, kept = _to_chunk_end(doc, previous_document, cumulative)
+        state = kept * state + (kc * to_end[..., None]).transpose(-2, -1) @ written
         previous_document = doc[:, -1]
-    return torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
+    out = torch.cat(outputs, dim=2).transpose(1, 2).to(dtype)
+    return (out, state) if final_state else out
+
+
+# The kernels that can start from a given state and give their final one (what passing the state between
+# context-parallel ranks needs, parallelisms/sequence_mixers.py).
+gated_linear_recurrence.passes_state = True
+gated_delta_rule.passes_state = True

@@ -11,13 +11,9 @@ balancing (`expert_bias`) has no HF counterpart: it is exported without, and imp
 
 from __future__ import annotations
 
-import re
-
-import torch
-
 from models.gpt_oss.flavors import flavors
 from models.gpt_oss.model import FULL, SLIDING, ModelArgs
-from models.hf_mapping import HFNames, as_flavor
+from models.hf_mapping import HFNames, as_flavor, complete_import, has_hf_form, is_imported
 from models.moe import MoEArgs
 
 _TOP_LEVEL = {
@@ -81,19 +77,13 @@ def ingot_name(name: str) -> str:
 def to_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An ingot (full or partial, e.g. one pipeline stage's) state dict under HF names, the tensors themselves;
     expert_bias is left out."""
-    return {hf_name(name): tensor for name, tensor in state_dict.items()
-            if not name.endswith(".feed_forward.expert_bias")}
+    return {hf_name(name): tensor for name, tensor in state_dict.items() if has_hf_form(name, tied=False)}
 
 
 def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An HF state dict under ingot names, with a zero routing bias for each MoE layer."""
-    renamed = {ingot_name(name): tensor for name, tensor in state_dict.items()
-               if not name.endswith("rotary_emb.inv_freq")}
-    for name in list(renamed):
-        router = re.fullmatch(r"(layers\.\d+\.feed_forward)\.router\.gate\.weight", name)
-        if router:
-            renamed[f"{router[1]}.expert_bias"] = torch.zeros(renamed[name].shape[0])
-    return renamed
+    return complete_import({ingot_name(name): tensor for name, tensor in state_dict.items()
+                            if is_imported(name, tied=False)}, tied=False)
 
 
 def check_gpt_oss_form(args: ModelArgs) -> None:

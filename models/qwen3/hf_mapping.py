@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from models.activations import ACTIVATIONS
 from models.hf_experts import experts_from_hf, experts_to_hf
-from models.hf_mapping import HFNames, as_flavor
+from models.hf_mapping import HFNames, as_flavor, complete_import, has_hf_form, is_imported
 from models.moe import MoEArgs
 from models.qwen3.flavors import flavors
 from models.qwen3.model import ModelArgs
@@ -88,7 +86,7 @@ def to_hf(state_dict: dict, args: ModelArgs) -> dict:
         experts = re.fullmatch(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])", name)
         if experts:
             hf |= experts_to_hf(experts[1], experts[2], tensor)
-        elif not (name.endswith(".feed_forward.expert_bias") or (args.tie_embeddings and name == "output.weight")):
+        elif has_hf_form(name, args.tie_embeddings):
             hf[hf_name(name)] = tensor
     return hf
 
@@ -101,15 +99,9 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     renamed = {f"layers.{block}.feed_forward.experts.{projection}": tensor
                for (block, projection), tensor in experts.items()}
     for name, tensor in rest.items():
-        if not (name.endswith("rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight")):
+        if is_imported(name, args.tie_embeddings):
             renamed[ingot_name(name)] = tensor
-    for name in list(renamed):
-        router = re.fullmatch(r"(layers\.\d+\.feed_forward)\.router\.gate\.weight", name)
-        if router:
-            renamed[f"{router[1]}.expert_bias"] = torch.zeros(renamed[name].shape[0])
-    if args.tie_embeddings and "tok_embeddings.weight" in renamed:
-        renamed["output.weight"] = renamed["tok_embeddings.weight"]
-    return renamed
+    return complete_import(renamed, args.tie_embeddings)
 
 
 def check_qwen3_form(args: ModelArgs) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from models.activations import ACTIVATIONS
 from models.hf_experts import experts_from_hf, experts_to_hf
-from models.hf_mapping import HFNames, as_flavor
+from models.hf_mapping import HFNames, as_flavor, complete_import, has_hf_form, is_imported
 from models.moe import MoEArgs
 from models.qwen3_5.flavors import flavors
 from models.qwen3_5.model import FULL, LINEAR, ModelArgs
@@ -115,7 +115,7 @@ def to_hf(state_dict: dict, args: ModelArgs) -> dict:
             if tensor is present[0]:  # the first part present joins them (all three in a whole state dict)
                 hf[f"model.layers.{part[1]}.{joined}"] = torch.cat(present) if joined.endswith("qkv.weight") else \
                     torch.cat(present)[:, None]
-        elif not (name.endswith(".feed_forward.expert_bias") or (args.tie_embeddings and name == "output.weight")):
+        elif has_hf_form(name, args.tie_embeddings):
             hf[NAMES[_kind(name, args)].hf_name(name)] = tensor
     return hf
 
@@ -134,15 +134,9 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
         if joined:
             parts = tensor.split(sizes) if joined[3] == "in_proj_qkv" else tensor[:, 0].split(sizes)
             renamed |= {f"layers.{joined[1]}.attention.{p}": t for p, t in zip(JOINED[joined[2]], parts)}
-        elif not (name.endswith("rotary_emb.inv_freq") or (args.tie_embeddings and name == "lm_head.weight")):
+        elif is_imported(name, args.tie_embeddings):
             renamed[NAMES[_kind(name, args)].ingot_name(name)] = tensor
-    for name in list(renamed):
-        router = re.fullmatch(r"(layers\.\d+\.feed_forward)\.router\.gate\.weight", name)
-        if router:
-            renamed[f"{router[1]}.expert_bias"] = torch.zeros(renamed[name].shape[0])
-    if args.tie_embeddings and "tok_embeddings.weight" in renamed:
-        renamed["output.weight"] = renamed["tok_embeddings.weight"]
-    return renamed
+    return complete_import(renamed, args.tie_embeddings)
 
 
 def check_qwen3_5_form(args: ModelArgs) -> None:

@@ -6,10 +6,11 @@ models/qwen3_5/model.py), on CPU over gloo:
 
 For each CP degree, that many processes (gloo, one thread each) hold their zigzag shares (by documents with
 `--documents`) of a random input of `seq` tokens and run one forward and backward of the same layer, its
-convolution and delta rule carried over the ranks as training does (parallelisms/sequence_mixers.py: an all-to-all
-gives each rank whole sequences of its share of the heads); each reports the growth of its resident memory over
-them (as scripts/benchmark/cp_attention_memory.py measures it) and its seconds. The table shows the largest rank's
-memory and the slowest rank's seconds. Linux only (/proc).
+convolution and delta rule carried over the ranks as training does, by each parallelism.context_parallel_mixers
+method (parallelisms/sequence_mixers.py: pass_state, the state passed between the ranks in sequence order; alltoall,
+whole sequences of a share of the heads); each reports the growth of its resident memory over them (as
+scripts/benchmark/cp_attention_memory.py measures it) and its seconds. The table shows the largest rank's memory and
+the slowest rank's seconds. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -51,18 +52,23 @@ def _worker(rank: int, cp: int, store: str, shape: dict, results: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallelisms.context_parallel import shard_sequence
-    from parallelisms.sequence_mixers import carry_over_context
+    from parallelisms.sequence_mixers import MIXER_METHODS, carry_over_context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, cp), rank=rank, world_size=cp)
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    layer, ids = delta_net(shape), document_ids(shape)
-    carry_over_context(layer, mesh)
+    ids = document_ids(shape)
     x = torch.randn(shape["batch"], shape["seq"], shape["dim"], generator=torch.Generator().manual_seed(1))
     share = shard_sequence(x, mesh, dim=1, document_ids=ids)
-    dist.barrier()
-    peak, seconds = run_layer(layer, share, ids)
-    Path(results, f"rank{rank}").write_text(f"{peak} {seconds}")
+    lines = []
+    for method in MIXER_METHODS:
+        layer = delta_net(shape)
+        carry_over_context(layer, mesh, method=method)
+        dist.barrier()
+        peak, seconds = run_layer(layer, share, ids)
+        lines.append(f"{method} {peak} {seconds}")
+        del layer
+    Path(results, f"rank{rank}").write_text("\n".join(lines))
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -93,19 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Gated DeltaNet layer of {args.batch} x {args.seq} tokens, dim {args.dim}, {args.key_heads} key and "
           f"{args.value_heads} value heads of {args.head_dim}{masking}, float32, forward and backward; "
           f"torch {torch.__version__}")
-    print("| CP degree | peak MiB (largest rank) | of CP 1 | seconds |")
-    print("| ---: | ---: | ---: | ---: |")
+    print("| CP degree | method | peak MiB (largest rank) | of CP 1 | seconds |")
+    print("| ---: | --- | ---: | ---: | ---: |")
     baseline = None
     for cp in args.degrees:
         if cp == 1:
             peak, seconds = mp.get_context("spawn").Pool(1).apply(one_process, (shape,))
-        else:
-            with tempfile.TemporaryDirectory() as folder:
-                mp.spawn(_worker, args=(cp, str(Path(folder, "store")), shape, folder), nprocs=cp)
-                rows = [Path(folder, f"rank{rank}").read_text().split() for rank in range(cp)]
-            peak, seconds = max(int(row[0]) for row in rows), max(float(row[1]) for row in rows)
-        baseline = baseline or peak
-        print(f"| {cp} | {peak / 2**20:,.0f} | {peak / baseline:.2f} | {seconds:.1f} |", flush=True)
+            baseline = peak
+            print(f"| 1 | (one process) | {peak / 2**20:,.0f} | 1.00 | {seconds:.1f} |", flush=True)
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            mp.spawn(_worker, args=(cp, str(Path(folder, "store")), shape, folder), nprocs=cp)
+            rows = [line.split() for rank in range(cp) for line in Path(folder, f"rank{rank}").read_text().split("\n")]
+        for method in dict.fromkeys(row[0] for row in rows):
+            peak = max(int(row[1]) for row in rows if row[0] == method)
+            seconds = max(float(row[2]) for row in rows if row[0] == method)
+            share = f"{peak / baseline:.2f}" if baseline else ""
+            print(f"| {cp} | {method} | {peak / 2**20:,.0f} | {share} | {seconds:.1f} |", flush=True)
     return 0
 
 
