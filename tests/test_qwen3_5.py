@@ -40,11 +40,18 @@ SMALL_HF = dict(
 )
 SMALL_MOE_HF = {k: v for k, v in SMALL_HF.items() if k != "intermediate_size"} | dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+MULTIMODAL = "multimodal"
+"""In an HF config of CASES: save it as the published checkpoints are, the text decoder of a multimodal model."""
 CASES = {  # ingot config, HF config
     "dense": (SMALL["dense"], SMALL_HF),
     "dense-tied": ([*SMALL["dense"], "--model.tie_embeddings", "true"], SMALL_HF | {"tie_word_embeddings": True}),
     "moe": (SMALL["moe"], SMALL_MOE_HF),
+    "dense-multimodal-tied": ([*SMALL["dense"], "--model.tie_embeddings", "true"],
+                              SMALL_HF | {"tie_word_embeddings": True, MULTIMODAL: True}),
+    "moe-multimodal": (SMALL["moe"], SMALL_MOE_HF | {MULTIMODAL: True}),
 }
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                   num_position_embeddings=16)
 
 
 @torch.no_grad()
@@ -58,20 +65,36 @@ def randomize(model: torch.nn.Module) -> None:
             p.normal_(0, 1.0 if "embed" in name else 1.5 * p.shape[-1] ** -0.5)
 
 
-def hf_qwen3_5(folder: Path, config: dict) -> Path:
-    """A random Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM with num_experts) saved with save_pretrained."""
-    transformers = transformers_module()
-    qwen = pytest.importorskip("transformers.models.qwen3_5_moe" if "num_experts" in config
-                               else "transformers.models.qwen3_5")
+def hf_qwen3_5(folder: Path, config: dict) -> tuple[Path, torch.Tensor]:
+    """A random Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM with num_experts) saved with save_pretrained, and its
+    logits on token_ids. With MULTIMODAL, a Qwen3_5(Moe)ForConditionalGeneration laid out as the published
+    checkpoints are: the decoder under model.language_model., a tiny vision tower beside it, and a multi-token
+    prediction layer's tensors in a file of their own (which transformers leaves out, and so must ingot)."""
+    assert transformers_module()  # imported for its version check
+    moe = "num_experts" in config
+    qwen = pytest.importorskip("transformers.models.qwen3_5_moe" if moe else "transformers.models.qwen3_5")
+    text = {k: v for k, v in config.items() if k != MULTIMODAL}
+    text_config = qwen.Qwen3_5MoeTextConfig(**text) if moe else qwen.Qwen3_5TextConfig(**text)
     torch.manual_seed(0)
-    if "num_experts" in config:
-        model = qwen.Qwen3_5MoeForCausalLM(qwen.Qwen3_5MoeTextConfig(**config))
+    if MULTIMODAL in config:
+        vision = (qwen.Qwen3_5MoeVisionConfig if moe else qwen.Qwen3_5VisionConfig)(**TINY_VISION)
+        whole = (qwen.Qwen3_5MoeConfig if moe else qwen.Qwen3_5Config)(
+            text_config=text_config, vision_config=vision, tie_word_embeddings=text_config.tie_word_embeddings)
+        model = (qwen.Qwen3_5MoeForConditionalGeneration if moe else qwen.Qwen3_5ForConditionalGeneration)(whole)
     else:
-        model = qwen.Qwen3_5ForCausalLM(qwen.Qwen3_5TextConfig(**config))
+        model = (qwen.Qwen3_5MoeForCausalLM if moe else qwen.Qwen3_5ForCausalLM)(text_config)
     randomize(model)
     model.save_pretrained(folder)
-    assert transformers  # imported for its version check
-    return folder
+    if MULTIMODAL in config:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            assert {n.split(".")[1] for n in f.keys() if n.startswith("model.")} == {"language_model", "visual"}
+        save_file({"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.ones(64)},
+                  folder / "mtp.safetensors")
+    with torch.no_grad():
+        return folder, model.eval()(token_ids(seq=150)).logits
 
 
 def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -98,9 +121,8 @@ def test_hf_qwen3_5_imports_and_exports_with_the_same_logits(tmp_path, case):
     HF folder: DeltaNet's joined q, k, v and convolution written back into their parts), and the export of the
     imported checkpoint read back by transformers, all with its logits."""
     argv, hf = CASES[case]
-    source = hf_qwen3_5(tmp_path / "hf", hf)
+    source, reference = hf_qwen3_5(tmp_path / "hf", hf)
     ids = token_ids(seq=150)  # more than one chunk of the delta rule
-    reference = transformers_logits(source, ids)
     run_hf("import", *argv, "--hf", source, "--output", tmp_path / "dcp")
     run_hf("export", *argv, "--checkpoint", tmp_path / "dcp", "--output", tmp_path / "back")
     in_place = ingot_model(argv)
@@ -190,6 +212,10 @@ LAYOUTS = {
         "cp2_alltoall": layout(cp=2, extra=[METHOD, "alltoall"]),
     },
 }
+FROM_HF = {  # runs that start from a random HF folder laid out as the published checkpoints: its case of CASES
+    "dense-multimodal-tied": {"one_process": layout(), "fsdp2": layout(dp_shard=2), "tp2": layout(tp=2)},
+    "moe-multimodal": {"one_process": layout(), "ep2": layout(dp_shard=2, ep=2)},
+}
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +225,12 @@ def layout_runs(tmp_path_factory):
         common = [*(DENSE if model == "dense" else MOE), *HYBRID, "--training.steps", str(STEPS),
                   "--training.global_batch_size", "8"]
         runs |= {f"{model}_{name}": (nproc, [*common, *args]) for name, (nproc, args) in layouts.items()}
+    for case, layouts in FROM_HF.items():
+        argv, config = CASES[case]
+        source, _ = hf_qwen3_5(tmp_path_factory.mktemp(case), config)
+        common = [*argv, "--training.steps", str(STEPS), "--training.global_batch_size", "8",
+                  "--checkpoint.initial_load_path", str(source)]
+        runs |= {f"{case}_{name}": (nproc, [*common, *args]) for name, (nproc, args) in layouts.items()}
     return torchrun_runs(runs, tmp_path_factory.mktemp("qwen3_5_layouts"))
 
 
@@ -217,3 +249,19 @@ def test_every_layout_trains_the_losses_of_one_process(layout_runs, run):
         assert tallies[0] == pytest.approx(tallies[1], rel=1e-6)
     if "documents" in run:  # the documents changed the losses: the state and the convolution restart
         assert one != pytest.approx(losses(layout_runs["dense_one_process"][0]), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "name"), [(case, name) for case, layouts in FROM_HF.items() for name in layouts
+                                            if name != "one_process"])
+def test_training_from_a_published_style_hf_folder_trains_the_losses_of_one_process(layout_runs, case, name):
+    """--checkpoint.initial_load_path HFDIR of a multimodal folder: each rank reads its part of the text decoder
+    (DeltaNet's joined q, k, v and convolutions split into their TP shards), and trains as one process does."""
+    (folder, problem), (alone, alone_problem) = layout_runs[f"{case}_{name}"], layout_runs[f"{case}_one_process"]
+    assert not problem and not alone_problem, problem or alone_problem
+    one, parallel = losses(alone), losses(folder)
+    print(f"\nQwen3.5 from an HF {case} folder, {name}: " + ", ".join(f"{one[s]:.6f}/{parallel[s]:.6f}"
+                                                                       for s in sorted(one)))
+    assert sorted(parallel) == list(range(1, STEPS + 1)) and parallel == pytest.approx(one, rel=1e-5)
+    initialized = losses(layout_runs[f"{case.split('-')[0]}_one_process"][0])  # ingot's initialization: 8.8
+    assert one[1] > initialized[1] + 0.5  # the random HF weights (larger than an initialization's) gave it

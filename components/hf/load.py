@@ -12,6 +12,7 @@ folders is scripts/hf.py.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -24,37 +25,63 @@ from torch.distributed.tensor import DTensor
 from components.checkpoint.dcp import ModelState
 from components.config import ConfigError
 
+logger = logging.getLogger(__name__)
+
 INGOT_MODEL = "ingot_model"
 """The config.json field in which ingot's export names the family that wrote the folder (transformers keeps such
 a field as an attribute of the config and ignores it)."""
 
 
+LANGUAGE_MODEL = "model.language_model."
+"""Where transformers' multimodal models (Qwen3.5's published checkpoints among them) keep their text decoder:
+`model.language_model.layers.N.` for a text model's `model.layers.N.`, beside the vision tower's `model.visual.` and
+with `lm_head.` at the top. Such a folder reads as its text decoder: the config's `text_config`, these weights
+renamed, the vision tower's left out (said in the log); an export writes the text decoder alone."""
+
+
 def read_hf_config(folder: str | Path) -> dict:
+    """An HF folder's config.json; a multimodal model's is its text decoder's (`text_config`), with the top level's
+    tie_word_embeddings, which is what transformers ties by."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}: not a Hugging Face model folder")
-    return json.loads(path.read_text())
+    config = json.loads(path.read_text())
+    if "text_config" not in config:
+        return config
+    text = config["text_config"]
+    return text | {"tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
-def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every .safetensors file of an HF folder, as stored."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {folder}")
-    return {name: tensor for file in files for name, tensor in load_file(file).items()}
-
-
-def hf_weight_names(folder: str | Path) -> set[str]:
-    """The tensor names of an HF folder's .safetensors files, read from their headers."""
+def _stored_names(folder: str | Path) -> dict[str, str]:
+    """{text decoder's name: the name in the folder's .safetensors files}, read from their headers: the identity for
+    a text model; for a multimodal one (LANGUAGE_MODEL), its decoder's tensors only."""
     from safetensors import safe_open
 
     names = set()
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             names |= set(f.keys())
-    return names
+    if not names:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    if not any(name.startswith(LANGUAGE_MODEL) for name in names):
+        return {name: name for name in names}
+    kept = {"model." + name.removeprefix(LANGUAGE_MODEL) if name.startswith(LANGUAGE_MODEL) else name: name
+            for name in names if name.startswith(LANGUAGE_MODEL) or not name.startswith("model.")}
+    logger.info(f"{folder}: a multimodal model's text decoder ({len(kept)} tensors); its other "
+                f"{len(names) - len(kept)} tensors (the vision tower's) are not read")
+    return kept
+
+
+def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of an HF folder's .safetensors files, as stored, under the names of its text decoder."""
+    from safetensors import safe_open
+
+    stored = {name: ours for ours, name in _stored_names(folder).items()}
+    weights = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            weights |= {stored[name]: f.get_tensor(name) for name in f.keys() if name in stored}
+    return weights
 
 
 def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> None:
@@ -84,11 +111,12 @@ def load_hf_weights(path: Path, model_parts: list[nn.Module], package: ModuleTyp
     or views of them (e.g. one expert of a stacked experts' tensor), so this fills the parameters."""
     check_hf_config(package, args, read_hf_config(path), path)
     hf_state = package.to_hf(ModelState(model_parts).state_dict(), args)  # only the keys this rank's parts hold
-    missing = sorted(set(hf_state) - hf_weight_names(path))
+    stored = _stored_names(path)
+    missing = sorted(set(hf_state) - set(stored))
     if missing:  # e.g. layers the config adds (multi-token prediction's) that the checkpoint does not have
         raise ConfigError(f"the Hugging Face model in {path} lacks {len(missing)} weight(s) of this model, first "
                           f"{missing[0]}: its config and the ingot config agree, but not its files")
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
+    dcp.load({stored[name]: t for name, t in hf_state.items()}, storage_reader=HuggingFaceStorageReader(str(path)))
     write_back_joined(package, hf_state, ModelState(model_parts).state_dict(), args)
 
 

@@ -122,8 +122,10 @@ def to_hf(state_dict: dict, args: ModelArgs) -> dict:
 
 def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     """An HF state dict (experts one per tensor, or fused as transformers holds them) under ingot names, with a zero
-    routing bias for each MoE layer and DeltaNet's joined tensors split. With tied embeddings, output.weight is
-    the embedding, and an HF lm_head.weight, which some tied checkpoints store as a copy, is dropped."""
+    routing bias for each MoE layer and DeltaNet's joined tensors split, without the multi-token prediction layer
+    (`mtp.`) that the published checkpoints hold and transformers' models leave out too. With tied embeddings,
+    output.weight is the embedding, and an HF lm_head.weight, which some tied checkpoints store as a copy, is
+    dropped."""
     rest, experts = experts_from_hf(state_dict)
     renamed = {f"layers.{block}.feed_forward.experts.{projection}": tensor
                for (block, projection), tensor in experts.items()}
@@ -131,6 +133,8 @@ def from_hf(state_dict: dict, args: ModelArgs) -> dict:
     sizes = [key_dim, key_dim, args.linear_n_value_heads * args.linear_value_head_dim]
     for name, tensor in rest.items():
         joined = re.fullmatch(r"model\.layers\.(\d+)\.(linear_attn\.(in_proj_qkv|conv1d)\.weight)", name)
+        if name.startswith("mtp."):  # the published checkpoints' multi-token prediction layer: not built (as in HF)
+            continue
         if joined:
             parts = tensor.split(sizes) if joined[3] == "in_proj_qkv" else tensor[:, 0].split(sizes)
             renamed |= {f"layers.{joined[1]}.attention.{p}": t for p, t in zip(JOINED[joined[2]], parts)}
