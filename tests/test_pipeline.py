@@ -1,5 +1,6 @@
 """Pipeline parallelism: how the model is cut into stages, and every schedule the installed torch
-offers, on 2 gloo processes, giving the loss and the gradients of one process (CPU, fp32)."""
+offers, on 2 gloo processes, giving the loss and the gradients of one process (CPU, fp32), for Llama's blocks and
+Qwen3.5's hybrid of DeltaNet and attention blocks."""
 
 import gc
 import json
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from conftest import on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
+import models.qwen3_5 as qwen3_5
 from components.config import Config, ConfigError
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.pipeline import (
@@ -194,14 +196,24 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def compare_schedule(name: str, pp_mesh) -> list[str]:
-    """Run `name` on this rank's stages two ways (one step() over 8 sequences in 4 micro-batches of
-    2; two accumulated step() calls of 4 micro-batches of 1) and list how its loss and gradients
+FAMILIES = {  # a family's Transformer and tiny args: Llama's blocks, and Qwen3.5's of two kinds (DeltaNet, attention)
+    "llama3": (Transformer, ARGS),
+    "qwen3_5": (qwen3_5.Transformer, qwen3_5.ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, full_attention_interval=2, linear_n_key_heads=2,
+        linear_n_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, ffn_dim=96, vocab_size=97,
+        max_seq_len=16)),
+}
+
+
+def compare_schedule(name: str, family: str, pp_mesh) -> list[str]:
+    """Run `name` on this rank's stages of the family's model two ways (one step() over 8 sequences in 4
+    micro-batches of 2; two accumulated step() calls of 4 micro-batches of 1) and list how its loss and gradients
     differ from one process doing forward and backward of the full model on the 8 sequences."""
+    model, args = FAMILIES[family]
     torch.manual_seed(0)  # the same weights and data on every rank
-    full = Transformer(ARGS)
+    full = model(args)
     full.init_weights()
-    tokens = torch.randint(0, ARGS.vocab_size, (8, ARGS.max_seq_len + 1))
+    tokens = torch.randint(0, args.vocab_size, (8, args.max_seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     parts, stage_ids, num_stages = split_for_pipeline(full, pp_mesh, make_config(name))  # as train.py on CPU
     ref_loss = cross_entropy(full(inputs), labels)
@@ -248,10 +260,11 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, names: list[s
     pp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     results = {}
     for name in names:
-        try:
-            results[name] = compare_schedule(name, pp_mesh)
-        except Exception as e:  # reported per schedule by the test
-            results[name] = [f"{type(e).__name__}: {e}"]
+        for family in FAMILIES:
+            try:
+                results[f"{family} {name}"] = compare_schedule(name, family, pp_mesh)
+            except Exception as e:  # reported per schedule by the test
+                results[f"{family} {name}"] = [f"{type(e).__name__}: {e}"]
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(results, f)
     # Free the schedules' tensors and pending work while gloo still runs (see test_context_parallel).
@@ -262,19 +275,21 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, names: list[s
 
 @pytest.fixture(scope="module")
 def schedule_results(tmp_path_factory):
-    """One pair of processes runs every offered schedule: {schedule: [problems on rank 0 and 1]}."""
+    """One pair of processes runs every offered schedule on each family: {"family schedule": [problems on rank 0
+    and 1]}."""
     tmp = tmp_path_factory.mktemp("pipeline")
     names = [name for name in offered_schedules() if not gloo_cannot_run(name)]
     on_ranks(_worker, 2, 2, str(tmp / "store"), str(tmp / "results"), names)
     per_rank = [json.loads((tmp / f"results.{rank}").read_text()) for rank in range(2)]
-    return {name: [f"rank {rank}: {p}" for rank in range(2) for p in per_rank[rank][name]] for name in names}
+    return {run: [f"rank {rank}: {p}" for rank in range(2) for p in per_rank[rank][run]] for run in per_rank[0]}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "name", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 )
-def test_schedule_matches_one_process(name, schedule_results):
-    if name not in schedule_results:
+def test_schedule_matches_one_process(name, family, schedule_results):
+    if f"{family} {name}" not in schedule_results:
         pytest.skip(f"torch {torch.__version__} does not offer {name}, or not over gloo (gloo_cannot_run)")
-    assert not schedule_results[name], "\n".join(schedule_results[name])
+    assert not schedule_results[f"{family} {name}"], "\n".join(schedule_results[f"{family} {name}"])
