@@ -23,6 +23,7 @@ __all__ = [
     "AsyncCollectiveTensor", "all_gather_autograd", "all_to_all_single_autograd", "checkpoint_wrapper", "tree_map",
     "default_store", "dump_memory_snapshot", "enable_micro_pipeline_tp", "grouped_mm", "has_grouped_mm",
     "in_backward", "record_memory_history", "seed_dtensor_random", "set_group_timeout", "shard_offset",
+    "stop_async_checkpoint_process",
 ]
 # Re-exported as they are:
 # - all_to_all_single_autograd, AsyncCollectiveTensor: functional collectives, DTensor's own; the differentiable ones
@@ -104,3 +105,15 @@ def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     older name, all_gather_tensor_autograd, the one 2.11 has)."""
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return gather(x, 0, group)
+
+
+def stop_async_checkpoint_process() -> None:
+    """End the background process that DCP starts for process-based async saves (checkpoint.async_mode
+    async_with_pinned_mem), if one runs. DCP keeps it in a module global and stops it in its __del__, which never
+    runs in a process that ends by os._exit as ingot's do (components/run/exit_codes.py): left alone, it dies of
+    the closed pipe with an EOFError traceback in a run that went well."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = getattr(executor, "_CHECKPOINT_PROCESS", None), None
+    if process is not None:
+        process.__del__()  # sends the termination request and joins; the collection later finds it stopped

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from components.checkpoint.durable import NO_SPACE
 from components.checkpoint.integrity import (
     PARTIAL_SUFFIX,
     CommittingWriter,
@@ -39,6 +40,7 @@ from components.checkpoint.integrity import (
     unused_name,
 )
 from components.config import DTYPES, Checkpoint as CheckpointConfig, ConfigError
+from components.torch_private import stop_async_checkpoint_process
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,37 @@ def mismatch(saved: dict, weights: dict[str, torch.Tensor], model_names: set[str
     return None
 
 
+class DiskFull(Exception):
+    """A checkpoint the run needs could not be written for lack of space: with checkpoint.on_disk_full "stop", or the
+    last step's or a preemption's save, after which no later save would make up for it (EXIT_DISK_FULL)."""
+
+
+FULL_BELOW = 0.01
+"""A save that failed while its file system had less than this share of its size free ran out of space: torch's
+writer of pickled entries reports a failed write only as `unexpected pos N vs M` (inline_container.cc), without
+the OSError."""
+
+
+def out_of_space(folder: Path, error: BaseException) -> str | None:
+    """How full the file system of `folder` is ("0.00 GiB free of 0.12 GiB"), where the failed save `error` ran out of
+    space: an OSError ENOSPC or EDQUOT among its causes (DCP's per-rank failures included), or less than FULL_BELOW
+    of the file system free now, with the failed save's files still there. None otherwise."""
+    usage = shutil.disk_usage(folder)
+    figures = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return figures
+        if isinstance(e, CheckpointException):
+            todo += [failure for failure, _ in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return figures if usage.free < FULL_BELOW * usage.total else None
+
+
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder: config.json and safetensors weights."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
@@ -217,7 +250,7 @@ class CheckpointManager:
             )
         if cfg.last_save_in_hf and not cfg.enable:
             raise ConfigError("checkpoint.last_save_in_hf exports the final checkpoint: it needs checkpoint.enable")
-        self.pending = None
+        self.pending, self.pending_step = None, None
         self.last_saved = None
         self.async_kwargs = {}
         self.mode, self.stager = cfg.async_mode, None
@@ -360,7 +393,8 @@ class CheckpointManager:
                 and step != self.last_saved)
 
     def maybe_save(self, step: int, force: bool = False) -> None:
-        """Save if due, or now when `force` (preemption)."""
+        """Save if due, or now when `force` (preemption). A save that runs out of space is named in one line and its
+        folder removed, the older checkpoints kept (_out_of_space)."""
         if not (self.due(step) or force and step != self.last_saved):
             return
         last = step == self.total_steps
@@ -368,33 +402,70 @@ class CheckpointManager:
         path = self.folder / f"step-{step}"
         start = time.perf_counter()
         writer = self._writer(step)
-        if last and self.cfg.last_save_model_only:
-            dtype = DTYPES[self.cfg.export_dtype]
-            weights = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
-            dcp.save({"model": weights}, storage_writer=writer)
-        elif self.mode == "disabled" or force:
-            dcp.save(self.states, storage_writer=writer)
-        elif self.stager is not None:
-            result = dcp.async_save(self.states, storage_writer=writer, async_stager=self.stager.for_save(),
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            # Staging copies the state into (pinned) host memory; it must end before the optimizer changes the
-            # parameters again. The upload to disk goes on in a background process.
-            result.staging_completion.result()
-            self.stager.staged()
-            self.pending = result.upload_completion
-        else:
-            self.pending = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
         self.last_saved = step
+        try:
+            if last and self.cfg.last_save_model_only:
+                dtype = DTYPES[self.cfg.export_dtype]
+                weights = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
+                dcp.save({"model": weights}, storage_writer=writer)
+            elif self.mode == "disabled" or force:
+                dcp.save(self.states, storage_writer=writer)
+            elif self.stager is not None:
+                result = dcp.async_save(self.states, storage_writer=writer, async_stager=self.stager.for_save(),
+                                        async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                # Staging copies the state into (pinned) host memory; it must end before the optimizer changes the
+                # parameters again. The upload to disk goes on in a background process.
+                result.staging_completion.result()
+                self.stager.staged()
+                self.pending, self.pending_step = result.upload_completion, step
+            else:
+                self.pending = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
+                self.pending_step = step
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException; whether it was for space decides
+            self._out_of_space(step, e, force)
+            return
         what = "queued" if self.pending is not None else "saved"
         logger.info(f"checkpoint {path} {what} in {time.perf_counter() - start:.2f}s")
         self.purge()
+        if last:  # nothing left to overlap with: the run ends once its last checkpoint is in
+            self.wait()
 
     def wait(self) -> None:
         """Block until a background save has finished (and its checkpoint is committed)."""
         if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+            pending, self.pending = self.pending, None
+            try:
+                pending.result()
+            except (Exception, CheckpointException) as e:  # whether it was for space decides
+                self._out_of_space(self.pending_step, e, force=False)
+                return
             self.purge()
+
+    def _out_of_space(self, step: int, error: BaseException, force: bool) -> None:
+        """After a failed save of `step` on every rank: re-raise `error` unless some rank's file system ran out of
+        space. If one did, the save's folder goes, the older checkpoints stay, and training goes on to save again
+        at the next interval (checkpoint.on_disk_full "continue"), or stops with DiskFull ("stop", and always for
+        the last step's and a preemption's save, which nothing later makes up for)."""
+        full = agreed_problems(out_of_space(self.folder, error))
+        if not full:
+            raise error
+        partial = Path(f"{self.folder / f'step-{step}'}{PARTIAL_SUFFIX}")
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier()
+        committed = step_folders(self.folder)
+        self.last_saved = max(committed, default=None)
+        kept = f"{committed[self.last_saved].name} kept" if committed else "no older checkpoint"
+        line = (f"checkpoint step-{step} not saved: no space left in {self.folder} ({full[0]}; "
+                f"{type(error).__name__}); {partial.name} removed, {kept}")
+        if self.cfg.on_disk_full == "stop" or force or step == self.total_steps:
+            why = "checkpoint.on_disk_full = stop" if self.cfg.on_disk_full == "stop" else \
+                "a preemption's save" if force else "the last step's save"
+            raise DiskFull(f"{line} ({why}): free space and rerun the same command to resume"
+                           + (f" from {committed[self.last_saved].name}" if committed else ""))
+        following = (step // self.cfg.interval + 1) * self.cfg.interval
+        logger.warning(f"{line}; training goes on and saves again at step {min(following, self.total_steps)} "
+                       "(checkpoint.on_disk_full = continue)")
 
     def purge(self) -> None:
         """Delete the oldest committed checkpoints beyond keep_latest_k. A save in progress is not
@@ -411,6 +482,7 @@ class CheckpointManager:
         self.wait()
         if self.stager is not None:
             self.stager.close()
+            stop_async_checkpoint_process()
 
 
 class Stager:

@@ -251,6 +251,10 @@ class Checkpoint:
     keep_damaged: int = 2
     """Damaged checkpoints (renamed step-N.damaged when a resume finds them broken) kept for
     inspection, the newest first; older ones are deleted at start-up."""
+    on_disk_full: str = "continue"
+    """What a save that runs out of space does, once named in one line, its folder removed and the older
+    checkpoints kept: continue (train on and save again at the next interval) or stop (exit with status 74). The
+    last step's save and a preemption's stop the run either way: nothing later would make up for them."""
     checksums: bool = True
     """Record a CRC32 of every checkpoint file (each rank its own files, about 1 s per GB) and
     verify them before resuming; sizes are always recorded and verified."""
@@ -438,6 +442,7 @@ CHOICES = {
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
     ),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.on_disk_full": ("continue", "stop"),
     "checkpoint.export_dtype": tuple(DTYPES),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "float8.recipe_name": ("tensorwise", "rowwise"),

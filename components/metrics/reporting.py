@@ -14,10 +14,13 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from components.checkpoint.durable import NO_SPACE, append_whole
 from components.config import DTYPES
 from components.metrics import wandb_logging
 
@@ -149,6 +152,11 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
 
 
+def open_for_appending(path: Path) -> int:
+    """A file descriptor that appends to `path` (created if absent), for append_whole."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks only keep time so that all of them agree on what was measured."""
 
@@ -169,14 +177,49 @@ class MetricsLogger:
             self.jsonl_path, self.tb_folder = dump_folder / "metrics.jsonl", dump_folder / cfg.save_tb_folder
             if resume_step is not None:
                 keep_records_up_to(self.jsonl_path, resume_step)
-            self.jsonl = open(self.jsonl_path, "a", buffering=1)
+            self.jsonl = open_for_appending(self.jsonl_path)
             if cfg.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(self.tb_folder), purge_step=resume_step + 1 if resume_step else None)
                 # The first write imports most of TensorBoard (seconds): do it now, not inside a step.
-                self.tb.add_text("config", f"```\n{config_text}\n```")
+                self.to_tensorboard(lambda tb: tb.add_text("config", f"```\n{config_text}\n```"))
+        self.unwritten: list[str] = []
+        """metrics.jsonl lines that found no space yet (write)."""
         self.reset_timer()
+
+    def write(self, record: dict) -> None:
+        """One metrics.jsonl line, whole or not at all. Where the disk is full the lines wait in memory (said once)
+        and go out in order with the first that finds room: a full disk neither stops the run nor loses a record
+        while it lasts (a checkpoint that found no space frees its room: components/checkpoint/dcp.py)."""
+        self.unwritten.append(json.dumps(record) + "\n")
+        self.write_unwritten()
+
+    def write_unwritten(self) -> None:
+        try:
+            while self.unwritten:
+                append_whole(self.jsonl, self.unwritten[0])
+                del self.unwritten[0]
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            if len(self.unwritten) == 1:
+                logger.warning(f"no space left for {self.jsonl_path}: its records wait in memory and are written, "
+                               "in order, once there is room")
+
+    def to_tensorboard(self, write: Callable[[Any], None]) -> None:
+        """write(SummaryWriter), unless TensorBoard is off; a full disk turns it off for the rest of the run, said
+        in one line (metrics.jsonl keeps every record)."""
+        if self.tb is None:
+            return
+        try:
+            write(self.tb)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            logger.warning(f"no space left for the TensorBoard events in {self.tb_folder}: TensorBoard stops here for "
+                           "this run (metrics.jsonl keeps every record)")
+            self.tb = None
 
     def continue_after(self, step: int, took_state: bool) -> None:
         """A replica group goes on after `step`: what it logged for later steps goes (they are run again); where it
@@ -187,9 +230,9 @@ class MetricsLogger:
         lines = self.jsonl_path.read_text().splitlines(keepends=True)
         records = [json.loads(line) for line in lines if line.endswith("\n")]  # not a line a killed run left unfinished
         if any(record.get("step", 0) > step for record in records):
-            self.jsonl.close()
+            os.close(self.jsonl)
             keep_records_up_to(self.jsonl_path, step)
-            self.jsonl = open(self.jsonl_path, "a", buffering=1)
+            self.jsonl = open_for_appending(self.jsonl_path)
             if self.tb is not None:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -198,9 +241,8 @@ class MetricsLogger:
         last = max((r["step"] for r in records if "loss" in r and r["step"] <= step), default=0)
         if took_state and last < step:
             note = f"steps {last + 1} to {step} trained by the other replica groups: this group took their state"
-            self.jsonl.write(json.dumps({"step": step, "not_trained_here": [last + 1, step], "note": note}) + "\n")
-            if self.tb is not None:
-                self.tb.add_text("replica_group", note, step)
+            self.write({"step": step, "not_trained_here": [last + 1, step], "note": note})
+            self.to_tensorboard(lambda tb: tb.add_text("replica_group", note, step))
 
     def reset_timer(self) -> None:
         self.tokens, self.start = 0, time.perf_counter()
@@ -240,16 +282,14 @@ class MetricsLogger:
                 + (f"  rank step time {record['rank_step_time_min']:.3f}-{record['rank_step_time_max']:.3f}s "
                    f"(slowest rank {record['slowest_rank']})" if "slowest_rank" in record else "")
             )
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.write(record)
             self.scalars(step, {f"train/{key}": value for key, value in record.items()
                                 if key != "step" and value is not None})
         self.reset_timer()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Scalars by their tag, to TensorBoard and W&B where enabled."""
-        if self.tb is not None:
-            for tag, value in values.items():
-                self.tb.add_scalar(tag, value, step)
+        self.to_tensorboard(lambda tb: [tb.add_scalar(tag, value, step) for tag, value in values.items()])
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
@@ -268,7 +308,7 @@ class MetricsLogger:
             record |= {f"val_loss{suffix}": loss, f"val_perplexity{suffix}": perplexity}
             scalars |= {f"validation/loss{suffix}": loss, f"validation/perplexity{suffix}": perplexity}
         logger.info(f"validation took {seconds:.1f}s")
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.write(record)
         self.scalars(step, scalars)
 
     def log_evaluation(self, step: int, results: dict[str, dict[str, float]], seconds: float) -> None:
@@ -283,7 +323,7 @@ class MetricsLogger:
                         f"{figures['acc_norm']:.4f}  ({figures['examples']} examples)")
             record |= {f"eval/{task}/acc": figures["acc"], f"eval/{task}/acc_norm": figures["acc_norm"]}
         logger.info(f"evaluation took {seconds:.1f}s")
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.write(record)
         self.scalars(step, {key: value for key, value in record.items() if key != "step"})
 
     def log_layers(self, step: int, layers: dict[int, dict[str, float]] | None) -> None:
@@ -291,7 +331,7 @@ class MetricsLogger:
         scalars layers/<field>/<layer>; nothing for a step without them (None)."""
         if not self.is_writer or not layers:
             return
-        self.jsonl.write(json.dumps({"step": step, "layers": layers}) + "\n")
+        self.write({"step": step, "layers": layers})
         self.scalars(step, {f"layers/{field}/{layer}": value
                             for layer, fields in layers.items() for field, value in fields.items()})
 
@@ -299,17 +339,18 @@ class MetricsLogger:
         """Each MoE layer's tokens per expert over their mean, as histograms moe/expert_load/<layer>."""
         if not self.is_writer:
             return
-        if self.tb is not None:
-            for layer, values in load.items():
-                self.tb.add_histogram(f"moe/expert_load/{layer}", values, step)
+        self.to_tensorboard(lambda tb: [tb.add_histogram(f"moe/expert_load/{layer}", values, step)
+                                        for layer, values in load.items()])
         if self.wandb is not None:
             self.wandb.log({f"moe/expert_load/{layer}": wandb_logging.histogram(values)
                             for layer, values in load.items()}, step=step)
 
     def close(self) -> None:
         if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+            self.write_unwritten()
+            if self.unwritten:
+                logger.warning(f"{len(self.unwritten)} record(s) of {self.jsonl_path} lost: still no space left")
+            os.close(self.jsonl)
+        self.to_tensorboard(lambda tb: tb.close())
         if self.wandb is not None:
             self.wandb.finish()

@@ -9,6 +9,9 @@ import sys
 EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG = 2, 3, 4
 """A config or input that cannot be used; a run stopped by its step guard (non-finite values, too many skipped
 steps); a run whose collective timed out because a rank stopped making progress (components/run/heartbeat.py)."""
+EXIT_DISK_FULL = 74
+"""Exit status of a run that could not save a checkpoint it needed for lack of space (EX_IOERR of sysexits.h): the
+older checkpoints are intact, the failed save's folder removed (components/checkpoint/dcp.py, DiskFull)."""
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by a signal after saving its checkpoint (EX_TEMPFAIL of sysexits.h:
 "try again later")."""

@@ -27,10 +27,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from unittest import mock
 
-from components.run.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED, exit_process
+from components.run.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_DISK_FULL,
+    EXIT_HUNG,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    exit_process,
+)
 from components.run.stop_signals import hold_stop_signals, release_stop_signals, stop_signal_pending
 
-KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_BAD_INPUT, EXIT_STOPPED)
+KNOWN = (0, EXIT_PREEMPTED, EXIT_HUNG, EXIT_DISK_FULL, EXIT_BAD_INPUT, EXIT_STOPPED)
 """The statuses a worker chooses, least severe first; any other one is a crash, more severe than all of them."""
 LAUNCHED = "INGOT_LAUNCHER"
 """Set in the environment of this launcher's workers, which leave their failure reports to it."""
@@ -43,10 +50,10 @@ not stop, would hold the job that long."""
 
 def worst_status(statuses: Iterable[int]) -> int:
     """The status that speaks for several processes: a crash (1, 128+N after signal N, any other) over 3 (step guard)
-    over 2 (bad input) over 4 (hang) over 75 (preempted, checkpoint saved) over 0; of several crashes, the highest
-    number (a signal says more than 1). A crash must not hide behind a stop that explains itself, a run that a
-    person must change (3, 2) behind one that may run again (4 after a look at the ranks it names, 75 as it is),
-    and nothing behind 0."""
+    over 2 (bad input) over 74 (no space for a checkpoint) over 4 (hang) over 75 (preempted, checkpoint saved) over
+    0; of several crashes, the highest number (a signal says more than 1). A crash must not hide behind a stop that
+    explains itself, a run that a person must change (3, 2, 74) behind one that may run again (4 after a look at the
+    ranks it names, 75 as it is), and nothing behind 0."""
     return max(statuses, key=lambda s: (0, KNOWN.index(s)) if s in KNOWN else (1, s), default=0)
 
 
@@ -211,8 +218,8 @@ def with_process_count(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun, and again after a crash or a hang as many times as job.max_restarts allows: each attempt resumes
-    the run's last checkpoint. Never after bad input (2), the step guard (3), a preemption (75) or a signal to the
-    launcher: those a person or the scheduler decides on."""
+    the run's last checkpoint. Never after bad input (2), the step guard (3), a full disk (74), a preemption (75) or
+    a signal to the launcher: those a person or the scheduler decides on."""
     hold_stop_signals()  # until torchrun can pass them on to the workers (launch_once): not lost, not fatal
     argv = with_process_count(sys.argv[1:] if argv is None else argv)
     os.environ[LAUNCHED] = "1"
@@ -223,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in lines:
             print(line, file=sys.stderr, flush=True)
         stopped = signalled or stop_signal_pending()  # a stop signal after the workers ended: no restart
-        if stopped or status in (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED) or attempt == restarts:
+        if stopped or status in (0, EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_DISK_FULL) or \
+                attempt == restarts:
             return status
         cause = lines[0] if lines else f"exit status {status}"
         print(f"restart {attempt + 1} of {restarts} (job.max_restarts) after: {cause}", file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
 Exit statuses (docs/reliability.md): 0 done; 1 a crash (a traceback); EXIT_BAD_INPUT (2) a config or input
 that cannot be used, found at start-up with one line; EXIT_STOPPED (3) the step guard stopped the run
 (non-finite values, too many skipped steps); EXIT_HUNG (4) a rank stopped making progress and a collective
-timed out (one screen names the ranks); EXIT_PREEMPTED (75) stopped by a signal after saving a checkpoint.
+timed out (one screen names the ranks); EXIT_DISK_FULL (74) a checkpoint the run needed found no space (one line);
+EXIT_PREEMPTED (75) stopped by a signal after saving a checkpoint.
 `exit_status` maps what ended train() to them.
 
 Preemption. SLURM sends SIGTERM before killing a job (preemption, scancel; SIGKILL follows after its
@@ -37,8 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.checkpoint.dcp import DiskFull
 from components.config import ConfigError
-from components.run.exit_codes import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
+from components.run.exit_codes import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
 from components.run.heartbeat import Hung
 from components.run.lock import FolderInUse
 from components.run.stop_signals import STOP_SIGNALS, release_stop_signals
@@ -55,7 +57,8 @@ class StoppedAtStartUp(Exception):
 
 def exit_status(run: Callable[[], int], report: Callable[[str], None]) -> int:
     """run()'s status; where an exception ends it, the status that names its kind, after `report` got its one
-    line: bad input (EXIT_BAD_INPUT) or a stop of the step guard (EXIT_STOPPED); a stop signal during start-up is
+    line: bad input (EXIT_BAD_INPUT), a stop of the step guard (EXIT_STOPPED), a hang (EXIT_HUNG), a checkpoint
+that found no space (EXIT_DISK_FULL); a stop signal during start-up is
     no failure: EXIT_PREEMPTED, with a line in the log. Any other exception is a crash: it propagates, with its
     traceback."""
     try:
@@ -72,6 +75,9 @@ def exit_status(run: Callable[[], int], report: Callable[[str], None]) -> int:
     except Hung as e:
         report(f"hang: {e}")
         return EXIT_HUNG
+    except DiskFull as e:
+        report(f"disk full: {e}")
+        return EXIT_DISK_FULL
 
 
 def leave_signals_to_the_trainer(worker_id: int = 0) -> None:
