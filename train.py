@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -102,6 +103,7 @@ def train(config: Config, signals: StopSignals) -> int:
     data_rank, data_degree = data_share(config.fault_tolerance, dims)  # replica groups read shares of one batch
     plan = batch_plan(training, data_degree)
     torch.manual_seed(training.seed)
+    random.seed(training.seed)  # checkpoints carry both states: every launch must start from the same ones
     if training.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
         torch.use_deterministic_algorithms(True)

@@ -13,6 +13,8 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
   desync-step:N:R  rank R enters a collective of its own (an all-reduce the others never make) as its forward of
                    step N starts
   raise-step:N[:R] a Python exception (a crash) during step N, on rank R or every rank
+  nan-step:N[:R]   rank R (or every rank) finds a NaN in its gradients in step N (a corrupted value)
+  kill-load:0[:R]  SIGKILL to rank R (or to the whole process group) as the checkpoint loads
   slow-steps:N[:R[:S]]  rank R (or every rank) sleeps S seconds (SLOW_STEP_SECONDS) in every step from step N on,
                    and waits there while the file INGOT_PAUSE names exists: a slow process, or one held back by the test
   busy-steps:N[:R[:S]]  rank R (or every rank) computes S seconds longer in every step from step N on: a straggler
@@ -150,6 +152,30 @@ def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SE
             return original_step(self, *args, **kwargs)
 
         Optimizers.step = step_with_fault
+    elif kind == "nan-step":
+        original_forward, calls = train.forward_backward, [0]
+
+        def forward_then_nan(model, *args, **kwargs):
+            loss = original_forward(model, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] == step and (rank is None or dist.get_rank() == rank):
+                grad = next(p.grad for part in model.parts for p in part.parameters() if p.grad is not None)
+                with torch.no_grad():
+                    (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+            return loss
+
+        train.forward_backward = forward_then_nan
+    elif kind == "kill-load":
+        original_load = CheckpointManager.load
+
+        def die_loading(self):
+            if rank is None:
+                kill_everything()
+            if dist.get_rank() == rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_load(self)
+
+        CheckpointManager.load = die_loading
     elif kind == "kill-write":
         original_write = checkpoint_integrity.CommittingWriter.write_data
 

@@ -232,6 +232,9 @@ class PackedDataLoader:
             persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
             pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer,
             snapshot_every_n_steps=None,  # our own counter is the state; torchdata's snapshots would go unused
+            # Each iterator draws its workers' base seed: from the global RNG, whose state checkpoints carry, that
+            # draw would leave a resumed run one draw ahead of the uninterrupted one.
+            generator=torch.Generator(),
         )
 
     def __iter__(self):

@@ -211,9 +211,11 @@ class StreamingDataLoader:
         self.close()
         self.dataset.states = {self.dataset.streams[j]: state for j, state in self.states.items() if state}
         per_worker = len(self.dataset.streams) // max(self.workers, 1)
+        # generator: each iterator draws its workers' base seed, not from the global RNG (PackedDataLoader says why).
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
                             prefetch_factor=2 * per_worker if self.workers else None,
-                            pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer)
+                            pin_memory=torch.cuda.is_available(), worker_init_fn=leave_signals_to_the_trainer,
+                            generator=torch.Generator())
         items = self._items = iter(loader)
         while True:
             rows = []

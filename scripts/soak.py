@@ -1,0 +1,485 @@
+"""The fault soak: one training run, faults of every kind thrown at it at random moments, relaunched the way a
+scheduler relaunches a job until it completes; then compared with the same run uninterrupted.
+
+    python -m scripts.soak --faults 20 --seed 0 --nproc 2 [--dataset hf|packed] [--output soak.json]
+
+A seeded plan draws the faults (each kind once per round, in a shuffled order) and their moments: the step after
+which one strikes, the rank it hits. Faults are what the world does to a job: SIGKILL of a rank in a step, during
+start-up or as the checkpoint loads, and of the whole job while a blocking or an asynchronous save writes or just
+before it commits (tests/fault_injection.py arms those inside the trainer); SIGTERM and SIGUSR1 to the launcher and
+to every process of the job; a rank frozen by SIGSTOP until the hang timeout; a data loader's worker killed; the
+newest checkpoint truncated or a byte of it flipped between two launches; the file system of the dump folder full
+during a save (a tmpfs of the soak's own, scripts/small_disk.py, filled up to half a checkpoint of room and freed
+once the save has failed); a NaN in a step's gradients. The job is relaunched after every status but 0 (a person
+would look at a 3 or a 74 first, and then rerun) until it exits 0 having trained every step.
+
+Then every step's loss and gradient norm, and every tensor and value of the final checkpoint (weights, optimizer
+state, data loader position, RNG states), must equal those of the uninterrupted run bit for bit, each step logged
+once. It prints a table (faults by kind, survived, seconds lost per fault: an attempt's wall time less the steps it
+added to the run at the uninterrupted run's pace) and the figure, and writes them as JSON (--output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINER = REPO / "tests" / "fault_injection.py"
+CORPUS = REPO / "tests/assets/shakespeare/train.jsonl"
+TOKENIZER = REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model"
+INTERVAL, KEEP, HANG_TIMEOUT = 2, 3, 8
+"""Checkpoint interval, checkpoints kept, comm.train_timeout_seconds: a frozen rank ends its job in seconds."""
+DISK_MB = 320
+"""The soak's file system: room for KEEP + 1 checkpoints of the tiny model (42 MB each, with Adam's moments)."""
+LAUNCHER = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300",
+            "OMP_NUM_THREADS": "1"}
+"""What run_train.sh sets for the launcher."""
+STEP_LINE = re.compile(r"\] \S+ step +(\d+) +loss")
+
+KINDS = {  # kind: what happens, and how it must end the launch it strikes (statuses; "continues": it goes on)
+    "kill-rank-in-step": ("SIGKILL to one rank during a step", "crash"),
+    "kill-rank-at-start": ("SIGKILL to one rank during start-up (imports, rendezvous, model build)", "crash"),
+    "kill-rank-at-load": ("SIGKILL to one rank as the checkpoint loads", "crash"),
+    "kill-during-blocking-save": ("SIGKILL to the job once a rank wrote its files of a blocking save", "crash"),
+    "kill-during-async-save": ("SIGKILL to the job once a rank wrote its files of an async save", "crash"),
+    "kill-before-commit": ("SIGKILL to the job between the last file of a save and its commit", "crash"),
+    "sigterm-launcher": ("SIGTERM to the launcher", "preempted"),
+    "sigusr1-launcher": ("SIGUSR1 to the launcher", "preempted"),
+    "sigterm-every-process": ("SIGTERM to every process of the job", "preempted"),
+    "sigusr1-every-process": ("SIGUSR1 to every process of the job", "preempted"),
+    "sigstop-rank": ("one rank frozen by SIGSTOP until the hang timeout", "hung"),
+    "kill-loader-worker": ("SIGKILL to a data loader's worker process", "crash"),
+    "truncate-newest-checkpoint": ("the newest checkpoint's largest file cut in half between launches", "damaged"),
+    "corrupt-newest-checkpoint": ("a byte flipped in the newest checkpoint between launches", "damaged"),
+    "disk-full-during-save": ("the dump folder's file system full (half a checkpoint of room) during a save",
+                              "continues"),
+    "nan-in-step": ("a NaN in one rank's gradients", "stopped"),
+}
+BETWEEN_LAUNCHES = ("truncate-newest-checkpoint", "corrupt-newest-checkpoint")
+STATUSES = {"preempted": {75}, "hung": {4}, "stopped": {3}}
+"""A "crash" is any status but 0, 2, 3, 74 and 75."""
+
+
+@dataclass
+class Fault:
+    kind: str
+    after_step: int = 0
+    """The run's step after which it strikes (0: at the launch)."""
+    rank: int = 0
+    outcome: str = ""
+    """What happened: the launch's status, or what the relaunch found."""
+    survived: bool = False
+    seconds_lost: float = 0.0
+
+
+@dataclass
+class Soak:
+    faults: list[Fault] = field(default_factory=list)
+    launches: list[dict] = field(default_factory=list)
+    reference_seconds: float = 0.0
+    differences: list[str] = field(default_factory=list)
+
+
+class Launch:
+    """One launch of the job (components/run/launch.py, as run_train.sh starts it), its output read as it comes."""
+
+    def __init__(self, nproc: int, args: list[str], log: Path, env: dict[str, str]):
+        self.log, self.lines, self.start = log, [], time.perf_counter()
+        command = [sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", str(nproc),
+                   str(TRAINER), *args]
+        self.proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, **LAUNCHER, **env), text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        with open(self.log, "w") as out:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                out.write(line)
+
+    def last_step(self) -> int:
+        steps = [int(m[1]) for line in list(self.lines) if (m := STEP_LINE.search(line))]
+        return max(steps, default=0)
+
+    def wait_until(self, condition, timeout: float = 300) -> bool:
+        """Whether `condition()` came true while the job ran."""
+        end = time.perf_counter() + timeout
+        while time.perf_counter() < end:
+            if condition():
+                return True
+            if self.proc.poll() is not None:
+                self.reader.join()
+                return condition()
+            time.sleep(0.02)
+        return False
+
+    def said(self, text: str) -> bool:
+        return any(text in line for line in list(self.lines))
+
+    def ranks(self) -> dict[int, int]:
+        """{rank: pid} of the job's workers."""
+        found = {}
+        for pid in descendants(self.proc.pid):
+            environment = read_environment(pid)
+            if environment.get("RANK") is not None and parent(pid) == self.proc.pid:
+                found[int(environment["RANK"])] = pid
+        return found
+
+    def loader_workers(self, rank: int) -> list[int]:
+        pid = self.ranks().get(rank)
+        return [child for child in descendants(pid) if parent(child) == pid and
+                "fault_injection" in command_line(child)] if pid else []
+
+    def end(self, timeout: float = 600) -> tuple[int, float]:
+        try:
+            status = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+                signal_quietly(pid, signal.SIGKILL)
+            status = self.proc.wait()
+        self.reader.join()
+        return status, time.perf_counter() - self.start
+
+
+def proc_read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def parent(pid: int) -> int:
+    stat = proc_read(pid, "stat").decode(errors="replace")
+    return int(stat.rsplit(") ", 1)[1].split()[1]) if ") " in stat else -1
+
+
+def command_line(pid: int) -> str:
+    return proc_read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")
+
+
+def read_environment(pid: int) -> dict[str, str]:
+    pairs = (item.split(b"=", 1) for item in proc_read(pid, "environ").split(b"\0") if b"=" in item)
+    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def signal_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def checkpoints(run: Path) -> dict[int, Path]:
+    folder = run / "checkpoint"
+    found = {int(p.name[5:]): p for p in folder.glob("step-*") if re.fullmatch(r"step-\d+", p.name)} \
+        if folder.is_dir() else {}
+    return dict(sorted(found.items()))
+
+
+def plan(count: int, rng: random.Random) -> list[Fault]:
+    """`count` faults, every kind once per round in a shuffled order. A full disk leaves its launch running: each
+    goes just before a fault that strikes a running job, which ends that launch."""
+    kinds: list[str] = []
+    while len(kinds) < count:
+        round_ = list(KINDS)
+        rng.shuffle(round_)
+        kinds += round_
+    kinds = kinds[:count]
+    full = [k for k in kinds if k == "disk-full-during-save"]
+    others = [k for k in kinds if k != "disk-full-during-save"]
+    enders = [i for i, kind in enumerate(others) if strikes_running_job(kind)]
+    for i in sorted(rng.sample(enders, min(len(full), len(enders))), reverse=True):
+        others.insert(i, "disk-full-during-save")
+    return [Fault(kind, rank=rng.randrange(1 << 16)) for kind in others]
+
+
+def strikes_running_job(kind: str) -> bool:
+    return kind in ("kill-rank-in-step", "sigterm-launcher", "sigusr1-launcher", "sigterm-every-process",
+                    "sigusr1-every-process", "sigstop-rank", "kill-loader-worker")
+
+
+def armed(fault: Fault, resume: int, steps: int, rng: random.Random) -> tuple[dict[str, str], list[str]]:
+    """The environment and extra arguments of a launch that the trainer itself must strike (fault_injection.py)."""
+    saves = [s for s in range(resume + 1, steps) if s % INTERVAL == 0] or [steps]
+    if fault.kind == "kill-rank-at-load":
+        return {"INGOT_FAULT": f"kill-load:0:{fault.rank}"}, []
+    if fault.kind in ("kill-during-blocking-save", "kill-during-async-save", "kill-before-commit"):
+        fault.after_step = rng.choice(saves[:3])
+        what = "kill-commit" if fault.kind == "kill-before-commit" else "kill-write"
+        async_mode = ["--checkpoint.async_mode", "async"] if fault.kind == "kill-during-async-save" else []
+        return {"INGOT_FAULT": f"{what}:{fault.after_step}"}, async_mode
+    if fault.kind == "nan-in-step":
+        fault.after_step = resume + rng.randint(1, 4)
+        return {"INGOT_FAULT": f"nan-step:{fault.after_step - resume}:{fault.rank}"}, []
+    return {}, []
+
+
+def damage_newest(run: Path, kind: str, rng: random.Random) -> str:
+    newest = list(checkpoints(run).values())[-1]
+    victim = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        if kind == "truncate-newest-checkpoint":
+            f.truncate(victim.stat().st_size // 2)
+        else:
+            f.seek(rng.randrange(victim.stat().st_size))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return f"{newest.name}/{victim.name}"
+
+
+def fill(filler: Path, size: int) -> None:
+    """A file of `size` bytes, or as many as fit: the job writes meanwhile, and a full disk is what is wanted."""
+    chunk = bytes(1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while size > 0:
+                size -= f.write(chunk[:size])
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+
+
+def strike(fault: Fault, launch: Launch, resume: int, steps: int, disk: Path | None, rng: random.Random) -> str:
+    """Throw a fault that strikes the running job; what was done, or why it could not be."""
+    if fault.kind == "kill-rank-at-start":
+        if not launch.wait_until(lambda: fault.rank in launch.ranks()):
+            return "the job ended before its ranks started"
+        time.sleep(rng.uniform(0.0, 3.0))
+        signal_quietly(launch.ranks().get(fault.rank, -1), signal.SIGKILL)
+        return f"rank {fault.rank} killed {time.perf_counter() - launch.start:.1f} s after the launch"
+    fault.after_step = min(resume + rng.randint(1, 3), steps - 1)
+    if not launch.wait_until(lambda: launch.last_step() >= fault.after_step):
+        return f"the job ended before step {fault.after_step}"
+    if fault.kind == "disk-full-during-save":
+        filler = disk / "filler"
+        largest = max((sum(f.stat().st_size for f in p.iterdir()) for p in checkpoints(disk / "run").values()),
+                      default=45 << 20)
+        fill(filler, shutil.disk_usage(disk).free - largest // 2)
+        failed = launch.wait_until(lambda: launch.said("not saved: no space left"))
+        filler.unlink()
+        return "a save found no space" if failed else "the job ended before a save found the disk full"
+    pids = {"kill-rank-in-step": lambda: [launch.ranks().get(fault.rank)],
+            "sigstop-rank": lambda: [launch.ranks().get(fault.rank)],
+            "kill-loader-worker": lambda: launch.loader_workers(fault.rank)[:1],
+            "sigterm-launcher": lambda: [launch.proc.pid], "sigusr1-launcher": lambda: [launch.proc.pid],
+            "sigterm-every-process": lambda: [launch.proc.pid, *descendants(launch.proc.pid)],
+            "sigusr1-every-process": lambda: [launch.proc.pid, *descendants(launch.proc.pid)]}[fault.kind]()
+    sig = {"sigstop-rank": signal.SIGSTOP, "sigterm-launcher": signal.SIGTERM, "sigterm-every-process": signal.SIGTERM,
+           "sigusr1-launcher": signal.SIGUSR1, "sigusr1-every-process": signal.SIGUSR1}.get(fault.kind, signal.SIGKILL)
+    if not [pid for pid in pids if pid]:
+        return "no process to strike"
+    for pid in pids:
+        if pid:
+            signal_quietly(pid, sig)
+    return f"{signal.Signals(sig).name} after step {fault.after_step}"
+
+
+def expected(kind: str, status: int, launch: Launch) -> bool:
+    want = KINDS[kind][1]
+    if want == "continues":
+        return launch.said("not saved: no space left")
+    if want == "crash":
+        return status not in (0, 2, 3, 74, 75)
+    return status in STATUSES[want]
+
+
+def trainer_args(work: Path, steps: int, dataset: str) -> list[str]:
+    data = ["--training.dataset", "packed", "--training.dataset_path", str(work / "packed")] if dataset == "packed" \
+        else ["--training.dataset", "hf", "--training.dataset_path", str(CORPUS)]
+    return ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), *data, "--model.n_layers", "2",
+            "--training.seq_len", "64", "--training.local_batch_size", "4", "--training.steps", str(steps),
+            "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL),
+            "--checkpoint.keep_latest_k", str(KEEP), "--metrics.log_freq", "1",
+            "--comm.train_timeout_seconds", str(HANG_TIMEOUT)]
+
+
+def final_state(run: Path, steps: int, scratch: Path) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{run.name}.pt"
+    dcp_to_torch_save(str(run / "checkpoint" / f"step-{steps}"), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def differences(reference: Path, faulty: Path, steps: int, scratch: Path) -> list[str]:
+    """Where the faulty run differs from the reference: the steps logged, each step's loss and gradient norm, every
+    entry of the final checkpoint, bit for bit."""
+    import torch
+
+    found = []
+
+    def records(run: Path) -> list[dict]:
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    ours, theirs = records(faulty), records(reference)
+    if [r["step"] for r in ours] != list(range(1, steps + 1)):
+        found.append(f"steps logged: {[r['step'] for r in ours]}")
+    for a, b in zip(ours, theirs):
+        if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"]):
+            found.append(f"step {a['step']}: loss {a['loss']!r} vs {b['loss']!r}, grad_norm {a['grad_norm']!r} vs "
+                         f"{b['grad_norm']!r}")
+    flat_a, flat_b = flatten(final_state(faulty, steps, scratch)), flatten(final_state(reference, steps, scratch))
+    for key in sorted(set(flat_a) | set(flat_b)):
+        a, b = flat_a.get(key), flat_b.get(key)
+        same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
+        if not same:
+            found.append(f"final checkpoint entry {key} differs")
+    return found
+
+
+def flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
+    if isinstance(value, (list, tuple)) and not all(isinstance(v, (int, float, str)) for v in value):
+        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def soak(count: int, seed: int, nproc: int, dataset: str, steps: int, work: Path, disk: Path) -> Soak:
+    rng, result = random.Random(seed), Soak()
+    if dataset == "packed":
+        from scripts.preprocess import preprocess
+
+        preprocess([str(CORPUS)], str(work / "packed"), str(TOKENIZER), workers=0, val_fraction=0.0, progress=False)
+    reference, run = work / "reference", disk / "run"
+    launch = Launch(nproc, [*trainer_args(work, steps, dataset), "--job.dump_folder", str(reference)],
+                    work / "reference.log", {})
+    status, result.reference_seconds = launch.end()
+    if status != 0:
+        raise SystemExit(f"the uninterrupted run failed (status {status}): {work / 'reference.log'}")
+    pace = result.reference_seconds / steps
+    pending, running, resume, attempt, unread = plan(count, rng), None, 0, 0, []
+    """unread: the damage done since the last launch, which the next launch must name and fall back from."""
+    for fault in pending:
+        fault.rank %= nproc
+    while True:
+        fault = pending.pop(0) if pending else None
+        if fault and fault.kind in BETWEEN_LAUNCHES:
+            if unread or len(checkpoints(run)) < 2:  # wait for a launch, and an older checkpoint to fall back on
+                later = next((i for i, f in enumerate(pending) if f.kind not in BETWEEN_LAUNCHES), None)
+                pending.insert(len(pending) if later is None else later + 1, fault)
+                fault = pending.pop(0) if later is not None else None
+            else:
+                fault.outcome = f"damaged {damage_newest(run, fault.kind, rng)}"
+                result.faults.append(fault)
+                unread.append(fault)
+                continue
+        if running is None:
+            env, extra = armed(fault, resume, steps, rng) if fault else ({}, [])
+            attempt += 1
+            running = Launch(nproc, [*trainer_args(work, steps, dataset), *extra, "--job.dump_folder", str(run)],
+                             work / f"attempt-{attempt}.log", env)
+        if fault and (strikes_running_job(fault.kind) or fault.kind in ("kill-rank-at-start", "disk-full-during-save")):
+            fault.outcome = strike(fault, running, resume, steps, disk, rng)
+            if fault.kind == "disk-full-during-save":
+                fault.survived = expected(fault.kind, 0, running)
+                result.faults.append(fault)
+                continue  # the launch goes on: the next fault ends it
+        status, seconds = running.end()
+        for damaged in unread:
+            damaged.survived = running.said("is damaged") and running.said("skipping it")
+            damaged.outcome += "; the next launch named it and fell back" if damaged.survived else "; not noticed"
+        unread = []
+        new_resume = max(checkpoints(run), default=0)
+        result.launches.append({"attempt": attempt, "status": status, "seconds": round(seconds, 2),
+                                "resumed_from": resume, "reached": running.last_step(), "checkpoint": new_resume})
+        if fault:
+            fault.outcome = f"{fault.outcome + '; ' if fault.outcome else ''}exit status {status}"
+            fault.survived = expected(fault.kind, status, running)
+            fault.seconds_lost = round(max(seconds - (new_resume - resume) * pace, 0.0), 2)
+            result.faults.append(fault)
+        running, resume = None, new_resume
+        if status == 0 and not pending:
+            break
+        if status == 0 and resume >= steps:
+            raise SystemExit(f"the run completed with {len(pending)} fault(s) not thrown: raise --steps")
+        if attempt > 4 * count + 10:
+            raise SystemExit(f"no end after {attempt} launches: {work}")
+    result.differences = differences(reference, run, steps, work)
+    return result
+
+
+def report(result: Soak) -> str:
+    rows = ["| fault | count | survived | seconds lost per fault (mean) |", "| --- | ---: | ---: | ---: |"]
+    for kind in KINDS:
+        of_kind = [f for f in result.faults if f.kind == kind]
+        if of_kind:
+            lost = sum(f.seconds_lost for f in of_kind) / len(of_kind)
+            rows.append(f"| {kind} | {len(of_kind)} | {sum(f.survived for f in of_kind)} | {lost:.1f} |")
+    survived = sum(f.survived for f in result.faults)
+    nothing_lost = "nothing lost" if not result.differences else f"{len(result.differences)} difference(s)"
+    rows.append(f"\n{survived} of {len(result.faults)} faults survived, {nothing_lost} (every step's loss and "
+                f"gradient norm and the final checkpoint against the uninterrupted run, bitwise), in "
+                f"{len(result.launches)} launches")
+    return "\n".join(rows + [f"  {d}" for d in result.differences[:20]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=2, help="processes of the job")
+    parser.add_argument("--dataset", choices=("hf", "packed"), default="hf", help="the data loader")
+    parser.add_argument("--steps", type=int, default=0, help="the run's steps (default: 4 per fault, 24 at least)")
+    parser.add_argument("--output", type=Path, help="the figures as JSON")
+    parser.add_argument("--work", type=Path, help="a folder for the runs and their logs (default: a temporary one)")
+    parser.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # the mounted file system (re-executed)
+    args = parser.parse_args(argv)
+    steps = args.steps or max(4 * args.faults, 24)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ingot-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.inside is None:  # the dump folder on a small file system of its own: re-run inside it
+        from scripts.small_disk import in_small_file_system, why_no_small_file_system
+
+        why = why_no_small_file_system(work)
+        if why:
+            raise SystemExit(f"the soak needs a file system of its own to fill: {why}")
+        (work / "disk").mkdir(exist_ok=True)
+        inner = [sys.executable, "-m", "scripts.soak", *(argv if argv is not None else sys.argv[1:]),
+                 "--work", str(work), "--inside", str(work / "disk")]
+        return subprocess.run(in_small_file_system(work / "disk", DISK_MB, inner), cwd=REPO).returncode
+    start = time.perf_counter()
+    result = soak(args.faults, args.seed, args.nproc, args.dataset, steps, work, args.inside)
+    print(report(result))
+    print(f"({time.perf_counter() - start:.0f} s; logs in {work})")
+    if args.output:
+        args.output.write_text(json.dumps({"faults": [asdict(f) for f in result.faults], "launches": result.launches,
+                                           "seed": args.seed, "nproc": args.nproc, "dataset": args.dataset,
+                                           "steps": steps, "reference_seconds": round(result.reference_seconds, 2),
+                                           "survived": sum(f.survived for f in result.faults),
+                                           "differences": result.differences}, indent=1))
+    return 0 if not result.differences and all(f.survived for f in result.faults) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
