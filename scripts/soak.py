@@ -92,6 +92,8 @@ class Soak:
     launches: list[dict] = field(default_factory=list)
     reference_seconds: float = 0.0
     differences: list[str] = field(default_factory=list)
+    trained_alone: int = 0
+    """Replica groups: steps a group trained alone, the away group's share of their batch untrained."""
 
 
 class Launch:
@@ -429,18 +431,123 @@ def soak(count: int, seed: int, nproc: int, dataset: str, steps: int, work: Path
     return result
 
 
+REJOINED = "took the state of step"
+ALONE = re.compile(r"step (\d+): 1 of 2 replica groups take part")
+
+
+def replica_soak(count: int, seed: int, nproc: int, dataset: str, steps: int, work: Path) -> Soak:
+    """Two replica groups (torchft, one job each, a lighthouse between them); `count` times a whole group, drawn at
+    random, is SIGKILLed after a random number of its steps and relaunched, and rejoins from the live group without
+    reading a checkpoint. The live group is held (tests/fault_injection.py's INGOT_PAUSE) from the kill until the
+    relaunched group is back, so that the run goes on through all the faults. The groups must end with the same
+    weights, bit for bit, each step logged once per group. Unlike a single job's, this run cannot equal the
+    uninterrupted one: a step that the live group trains alone leaves the away group's share of the batch untrained
+    (docs/reliability.md); the soak counts those steps instead."""
+    rng, result = random.Random(seed), Soak()
+    port = free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--join_timeout_ms", "5000", "--quorum_tick_ms", "50", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dump, launches = work / "groups", {}
+    pauses = {g: work / f"hold_group{g}" for g in (0, 1)}
+
+    def start(group: int) -> Launch:
+        args = [*trainer_args(work, steps, dataset), "--checkpoint.interval", str(steps),
+                "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", str(group),
+                "--fault_tolerance.lighthouse", f"http://localhost:{port}", "--fault_tolerance.timeout_seconds", "20",
+                "--job.dump_folder", str(dump)]
+        env = {"INGOT_FAULT": "slow-steps:1:0:0.05", "INGOT_PAUSE": str(pauses[group])}
+        launches[group] = Launch(nproc, args, work / f"group{group}-{len(result.launches)}.log", env)
+        result.launches.append({"group": group, "log": launches[group].log.name})
+        return launches[group]
+
+    try:
+        if dataset == "packed":
+            from scripts.preprocess import preprocess
+
+            preprocess([str(CORPUS)], str(work / "packed"), str(TOKENIZER), workers=0, val_fraction=0.0,
+                       progress=False)
+        pauses[0].touch()  # group 0 waits after its first step for group 1 to join
+        start(0).wait_until(lambda: launches[0].said("training steps 1 to"))
+        start(1).wait_until(lambda: launches[1].said("replica group 1 of 2"))
+        pauses[0].unlink()
+        for _ in range(count):
+            victim = rng.randrange(2)
+            survivor, launch = 1 - victim, launches[victim]
+            fault = Fault("kill-replica-group", rank=victim)
+            target = launch.last_step() + rng.randint(2, 4)
+            if not launch.wait_until(lambda: launch.last_step() >= target) or target >= steps - 5:
+                break
+            fault.after_step = launch.last_step()
+            start_kill = time.perf_counter()
+            for pid in [launch.proc.pid, *descendants(launch.proc.pid)]:
+                signal_quietly(pid, signal.SIGKILL)
+            launch.end()
+            pauses[survivor].touch()  # held until the victim is back
+            relaunched = start(victim)
+            relaunched.wait_until(lambda: relaunched.said(f"replica group {victim} of 2"))  # its manager is up
+            pauses[survivor].unlink()
+            back = relaunched.wait_until(lambda: relaunched.said(REJOINED))
+            fault.survived = back
+            fault.seconds_lost = round(time.perf_counter() - start_kill, 2)
+            fault.outcome = f"SIGKILL after step {fault.after_step}; " + (
+                "relaunched, it took the live group's state" if back else "relaunched, it did not rejoin")
+            result.faults.append(fault)
+        statuses = [launches[g].end()[0] for g in (0, 1)]
+    finally:
+        for path in pauses.values():
+            path.unlink(missing_ok=True)
+        for launch in launches.values():
+            for pid in [launch.proc.pid, *descendants(launch.proc.pid)]:
+                signal_quietly(pid, signal.SIGKILL)
+        lighthouse.kill()
+        lighthouse.wait()
+    if statuses != [0, 0]:
+        result.differences.append(f"the groups ended with statuses {statuses}")
+        return result
+    for group in (0, 1):
+        logged = [r["step"] for r in map(json.loads, (dump / f"replica_{group}" / "metrics.jsonl").read_text()
+                                         .splitlines()) if "loss" in r]
+        if len(logged) != len(set(logged)):
+            result.differences.append(f"group {group} logged a step twice")
+    states = [flatten(final_state(dump / f"replica_{g}", steps, work)) for g in (0, 1)]
+    import torch
+
+    for key in sorted(set(states[0]) | set(states[1])):
+        a, b = states[0].get(key), states[1].get(key)
+        if key.startswith(("model.", "optimizer.")) and not (
+                torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b):
+            result.differences.append(f"the groups' final {key} differ")
+    alone = {int(m[1]) for log in work.glob("group*.log") for m in ALONE.finditer(log.read_text())}
+    result.trained_alone = len(alone)
+    return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def report(result: Soak) -> str:
     rows = ["| fault | count | survived | seconds lost per fault (mean) |", "| --- | ---: | ---: | ---: |"]
-    for kind in KINDS:
+    for kind in [*KINDS, "kill-replica-group"]:
         of_kind = [f for f in result.faults if f.kind == kind]
         if of_kind:
             lost = sum(f.seconds_lost for f in of_kind) / len(of_kind)
             rows.append(f"| {kind} | {len(of_kind)} | {sum(f.survived for f in of_kind)} | {lost:.1f} |")
     survived = sum(f.survived for f in result.faults)
     nothing_lost = "nothing lost" if not result.differences else f"{len(result.differences)} difference(s)"
-    rows.append(f"\n{survived} of {len(result.faults)} faults survived, {nothing_lost} (every step's loss and "
-                f"gradient norm and the final checkpoint against the uninterrupted run, bitwise), in "
+    against = "the two groups' final weights and optimizer states against each other" if result.trained_alone or \
+        any(f.kind == "kill-replica-group" for f in result.faults) else \
+        "every step's loss and gradient norm and the final checkpoint against the uninterrupted run"
+    rows.append(f"\n{survived} of {len(result.faults)} faults survived, {nothing_lost} ({against}, bitwise), in "
                 f"{len(result.launches)} launches")
+    if result.trained_alone:
+        rows.append(f"{result.trained_alone} step(s) trained by one group alone: the other's share of their batch "
+                    "was not trained (by design), so this run differs from an uninterrupted one there")
     return "\n".join(rows + [f"  {d}" for d in result.differences[:20]])
 
 
@@ -451,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes of the job")
     parser.add_argument("--dataset", choices=("hf", "packed"), default="hf", help="the data loader")
     parser.add_argument("--steps", type=int, default=0, help="the run's steps (default: 4 per fault, 24 at least)")
+    parser.add_argument("--replica-groups", action="store_true",
+                        help="two replica groups (torchft): whole groups killed and relaunched")
     parser.add_argument("--output", type=Path, help="the figures as JSON")
     parser.add_argument("--work", type=Path, help="a folder for the runs and their logs (default: a temporary one)")
     parser.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # the mounted file system (re-executed)
@@ -458,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or max(4 * args.faults, 24)
     work = args.work or Path(tempfile.mkdtemp(prefix="ingot-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.inside is None:  # the dump folder on a small file system of its own: re-run inside it
+    if args.replica_groups:
+        start = time.perf_counter()
+        result = replica_soak(args.faults, args.seed, args.nproc, args.dataset, steps, work)
+    elif args.inside is None:  # the dump folder on a small file system of its own: re-run inside it
         from scripts.small_disk import in_small_file_system, why_no_small_file_system
 
         why = why_no_small_file_system(work)
@@ -468,8 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         inner = [sys.executable, "-m", "scripts.soak", *(argv if argv is not None else sys.argv[1:]),
                  "--work", str(work), "--inside", str(work / "disk")]
         return subprocess.run(in_small_file_system(work / "disk", DISK_MB, inner), cwd=REPO).returncode
-    start = time.perf_counter()
-    result = soak(args.faults, args.seed, args.nproc, args.dataset, steps, work, args.inside)
+    else:
+        start = time.perf_counter()
+        result = soak(args.faults, args.seed, args.nproc, args.dataset, steps, work, args.inside)
     print(report(result))
     print(f"({time.perf_counter() - start:.0f} s; logs in {work})")
     if args.output:
@@ -477,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "seed": args.seed, "nproc": args.nproc, "dataset": args.dataset,
                                            "steps": steps, "reference_seconds": round(result.reference_seconds, 2),
                                            "survived": sum(f.survived for f in result.faults),
+                                           "trained_alone": result.trained_alone,
                                            "differences": result.differences}, indent=1))
     return 0 if not result.differences and all(f.survived for f in result.faults) else 1
 

@@ -32,3 +32,21 @@ def test_sixteen_faults_of_every_kind_leave_the_run_bitwise_as_if_none_had_happe
     assert f"{len(KINDS)} of {len(KINDS)} faults survived, nothing lost" in result.stdout
     statuses = {launch["status"] for launch in soak["launches"]}
     assert {0, 3, 4, 75} <= statuses and statuses - {0, 3, 4, 75} and max(f["seconds_lost"] for f in soak["faults"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replica_groups_killed_whole_at_random_rejoin_and_end_with_the_same_weights(tmp_path):
+    """Two replica groups (torchft) of one process; four times a group drawn at random is SIGKILLed and relaunched:
+    it rejoins from the live group, and the two end with the same weights and optimizer states, bit for bit. The
+    steps one group trained alone are counted: there the run differs from an uninterrupted one by design."""
+    output = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, "-m", "scripts.soak", "--replica-groups", "--faults", "4", "--seed", "0",
+                             "--nproc", "1", "--work", str(tmp_path / "work"), "--output", str(output)],
+                            cwd=REPO, capture_output=True, text=True, timeout=550)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    soak = json.loads(output.read_text())
+    assert [f["kind"] for f in soak["faults"]] == ["kill-replica-group"] * 4
+    assert {f["rank"] for f in soak["faults"]} == {0, 1}  # each group was killed
+    assert soak["survived"] == 4 and soak["differences"] == [] and soak["trained_alone"] > 0
