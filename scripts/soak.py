@@ -220,6 +220,7 @@ def plan(count: int, rng: random.Random) -> list[Fault]:
     enders = [i for i, kind in enumerate(others) if strikes_running_job(kind)]
     for i in sorted(rng.sample(enders, min(len(full), len(enders))), reverse=True):
         others.insert(i, "disk-full-during-save")
+    others += [rng.choice([k for k in KINDS if strikes_running_job(k)]) for _ in range(len(full) - len(enders))]
     return [Fault(kind, rank=rng.randrange(1 << 16)) for kind in others]
 
 
@@ -584,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         result = soak(args.faults, args.seed, args.nproc, args.dataset, steps, work, args.inside)
     print(report(result))
+    for leftover in [*work.glob("*.pt"), *work.glob("**/checkpoint")]:  # the logs stay, a gigabyte of states not
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
     print(f"({time.perf_counter() - start:.0f} s; logs in {work})")
     if args.output:
         args.output.write_text(json.dumps({"faults": [asdict(f) for f in result.faults], "launches": result.launches,

@@ -35,7 +35,8 @@ What the runner changes, and why:
 - Tools that train many runs, each in a folder of its own, run fewer and shorter ones, their documented
   runs taking minutes (TOOL_CUTS): the benchmark its baseline case only, for 3 steps; autotune 4 candidates
   (batch 4 or 8, AC none or full, no compile) of 2 steps, but as typed with `--predict` (it trains nothing);
-  coord_check 2 steps; the CP attention and DeltaNet benchmarks 512 tokens at degrees 1 and 2. In the clone, the
+  coord_check 2 steps; the CP attention and DeltaNet benchmarks 512 tokens at degrees 1 and 2; the fault soak 2
+  faults (tests/test_soak.py throws every kind). In the clone, the
   sweep files (train_configs/sweeps/) keep the first value of each grid key and their first [[runs]], of 1 step each
   (tests/test_sweep.py runs the rest of what a sweep does); the ladder files (train_configs/ladders/) keep
   their first 2 rungs and the held-out ones (a fit needs 2 runs), their first token budget, a 32nd of each,
@@ -80,6 +81,7 @@ TOOL_CUTS = {
     "scripts.coord_check": "--steps 2",
     "scripts.benchmark.cp_attention_memory": "--seq 512 --degrees 1 2",
     "scripts.benchmark.cp_delta_net_memory": "--seq 512 --degrees 1 2",
+    "scripts.soak": "--faults 2",
 }
 REFUSED, MAX_REFUSAL_LINES = 2, 15
 TIMEOUT = 900  # seconds per command
