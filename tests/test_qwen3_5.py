@@ -161,6 +161,29 @@ def test_published_flavors_are_shapes_transformers_accepts():
         assert qwen3_5.model_args_from_hf(qwen3_5.hf_config(args)) == args
 
 
+def test_float8_converts_the_projections_and_keeps_the_gates_and_the_router():
+    """Emulated on a CPU, at the published 27B-A3B's head counts (a DeltaNet layer's wa and wb, one row per value head,
+    are float8-sized there): both layer kinds' projections and the experts' feed-forwards become Float8Linear; the
+    router, the shared expert's gate and DeltaNet's decay and write-strength inputs (wa, wb) stay nn.Linear."""
+    from models.qwen3_5.parallelize import KEPT_IN_HIGH_PRECISION
+    from parallelisms.float8 import convert_to_float8
+
+    config = load_config([*SMALL["moe"], "--float8.enable", "true", "--model.linear_n_key_heads", "16",
+                          "--model.linear_n_value_heads", "32"], model_config_class)
+    with torch.device("meta"):
+        model = qwen3_5.Transformer(qwen3_5.build_model_args(config, VOCAB))
+    convert_to_float8(model, "tensorwise", [*config.float8.filter_fqns, *KEPT_IN_HIGH_PRECISION], torch.device("cpu"))
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
+    converted = [f"layers.0.attention.{p}" for p in ("wq", "wk", "wv", "wz", "wo")] + \
+        [f"layers.1.attention.{p}" for p in ("wq", "wk", "wv", "wo")] + \
+        [f"layers.0.feed_forward.shared_experts.{p}" for p in ("w1", "w2", "w3")]
+    assert {kinds[name] for name in converted} == {"Float8Linear"}
+    assert model.layers["0"].attention.wa.out_features % 16 == 0  # float8-sized, kept all the same
+    kept = ["layers.0.attention.wa", "layers.0.attention.wb", "layers.0.feed_forward.router.gate",
+            "layers.0.feed_forward.shared_gate", "output"]
+    assert {kinds[name] for name in kept} == {"Linear"}
+
+
 def test_flops_grow_with_the_context_in_the_full_attention_layers_only():
     """MFU's count: a DeltaNet layer costs the same per token at any context, a full-attention layer 12 x heads x
     head_dim more per token of context; the 35B-A3B activates about 3B parameters a token."""

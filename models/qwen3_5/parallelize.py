@@ -28,8 +28,10 @@ from models.decoder_parallelize import (
 from models.qwen3_5.model import GatedDeltaNet
 from parallelisms.tensor_parallel import tensor_parallel_styles
 
-ROUTER = "router.gate"
-"""Kept out of float8: the router's logits choose the experts, a small matmul where precision matters."""
+KEPT_IN_HIGH_PRECISION = ["router.gate", "feed_forward.shared_gate", "attention.wa", "attention.wb"]
+"""Kept out of float8: small matmuls whose outputs gate what follows, where precision matters: the router's logits
+choose the experts, the shared expert's gate scales it, and a DeltaNet layer's wa and wb give each head's decay
+(through an exponential) and write strength."""
 HEAD_PARAMETERS = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
 """A DeltaNet layer's own parameters, one row per channel or head: split over the tp ranks as its heads are."""
 
@@ -91,5 +93,5 @@ def check_tp_fits(model: nn.Module, tp: int) -> None:
 def parallelize_qwen3_5(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, config: Config,
                         device: torch.device) -> nn.Module:
     return parallelize_decoder(model, dims, mesh, config, device, tensor_parallel_plan=tensor_parallel_plan,
-                               check_tp_fits=check_tp_fits, high_precision=[ROUTER],
+                               check_tp_fits=check_tp_fits, high_precision=KEPT_IN_HIGH_PRECISION,
                                after_tensor_parallel=shard_delta_net_heads)
