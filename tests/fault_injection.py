@@ -37,21 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, rest = stat.read_text().split(" (", 1)
-        except OSError:
-            continue
-        children.setdefault(int(rest.rsplit(") ", 1)[1].split()[1]), []).append(int(pid))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.soak import descendants  # noqa: E402  (no torch: imported before the first stop-signal point)
 
 
 def send_stop_signal(point: str) -> None:
@@ -64,7 +51,6 @@ def send_stop_signal(point: str) -> None:
 
 
 send_stop_signal("imports")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
