@@ -8,6 +8,7 @@ under torchrun) with INGOT_FAULT=<kind>:<step>[:<rank>] in the environment:
                    integrity.json and the rename that commit the checkpoint
   hang-step:N:R    rank R stops responding (sleeps) during step N
   freeze-step:N:R  rank R freezes (SIGSTOP to itself, every thread stops) during step N
+  freeze-save:N:R  ... as it starts writing its files of the checkpoint of step N
   hang-data:N:R    rank R waits for ever for its data of step N
   hang-forward:N:R rank R sleeps as its forward of step N starts, outside any collective
   desync-step:N:R  rank R enters a collective of its own (an all-reduce the others never make) as its forward of
@@ -162,6 +163,15 @@ def inject(kind: str, step: int, rank: int | None, seconds: float = SLOW_STEP_SE
             return original_load(self)
 
         CheckpointManager.load = die_loading
+    elif kind == "freeze-save":
+        original_write = checkpoint_integrity.CommittingWriter.write_data
+
+        def freeze_then_write(self, plan, planner):
+            if self.final.name == f"step-{step}" and dist.get_rank() == rank:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original_write(self, plan, planner)
+
+        checkpoint_integrity.CommittingWriter.write_data = freeze_then_write
     elif kind == "kill-write":
         original_write = checkpoint_integrity.CommittingWriter.write_data
 

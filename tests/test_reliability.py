@@ -418,16 +418,18 @@ HANGS = {  # INGOT_FAULT: what the report says of rank 1
     "hang-forward:4:1": "1 rank(s) stopped making progress: rank 1 in step 4 computing its micro-batches and "
                         "gradients, alive but in no collective (stuck outside them)",
     "desync-step:4:1": "the ranks wait in different collectives (desynchronised): group default_pg: rank 0 in",
+    "freeze-save:6:1": "1 rank(s) stopped making progress: rank 1 frozen in step 6",
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", HANGS, ids=["sleeps_in_its_step", "sigstop", "stuck_in_its_data",
-                                              "sleeps_in_its_forward", "in_another_collective"])
+                                              "sleeps_in_its_forward", "in_another_collective", "sigstop_in_a_save"])
 def test_a_hung_rank_ends_the_run_within_the_timeout_naming_it_and_where_with_exit_status_4(fault, tmp_path):
     """Rank 1 stops in step 4: it sleeps in its optimizer step, is frozen there by SIGSTOP (every thread, its
     heartbeat's included), waits for ever for its data, sleeps in its forward (outside any collective), or enters a
-    collective the others never make. Rank 0's collective times out, and the launcher exits 4 with one screen naming
+    collective the others never make; or it is frozen as it writes the checkpoint of step 6 (found by the soak: that
+    was a crash, 1). Rank 0's collective times out, and the launcher exits 4 with one screen naming
     rank 1, where it is and whether it is alive (the desynchronised ranks: the collective each waits in, from torch's
     flight recorder); the last checkpoint is intact. Rank 1 does not stop at the launcher's SIGTERM (a trainer stops
     at a step boundary, which it never reaches; a frozen one not at all): the launcher kills it 5 s later

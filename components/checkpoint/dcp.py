@@ -40,6 +40,7 @@ from components.checkpoint.integrity import (
     unused_name,
 )
 from components.config import DTYPES, Checkpoint as CheckpointConfig, ConfigError
+from components.run.heartbeat import is_lost_peer, is_timeout
 from components.torch_private import stop_async_checkpoint_process
 
 logger = logging.getLogger(__name__)
@@ -177,18 +178,24 @@ def out_of_space(folder: Path, error: BaseException) -> str | None:
     of the file system free now, with the failed save's files still there. None otherwise."""
     usage = shutil.disk_usage(folder)
     figures = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
-    seen, todo = set(), [error]
+    if any(isinstance(e, OSError) and e.errno in NO_SPACE for e in causes(error)):
+        return figures
+    return figures if usage.free < FULL_BELOW * usage.total else None
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """`error` and what caused it: its causes and contexts, and DCP's per-rank failures."""
+    seen, todo, found = set(), [error], []
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in NO_SPACE:
-            return figures
+        found.append(e)
         if isinstance(e, CheckpointException):
             todo += [failure for failure, _ in e.failures.values()]
         todo += [e.__cause__, e.__context__]
-    return figures if usage.free < FULL_BELOW * usage.total else None
+    return found
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -446,6 +453,10 @@ class CheckpointManager:
         space. If one did, the save's folder goes, the older checkpoints stay, and training goes on to save again
         at the next interval (checkpoint.on_disk_full "continue"), or stops with DiskFull ("stop", and always for
         the last step's and a preemption's save, which nothing later makes up for)."""
+        stopped = next((e for e in causes(error) if isinstance(e, RuntimeError) and (is_timeout(e) or is_lost_peer(e))),
+                       None)
+        if stopped is not None:  # a rank stopped or died during the save: the training loop names the hang
+            raise stopped
         full = agreed_problems(out_of_space(self.folder, error))
         if not full:
             raise error

@@ -48,9 +48,10 @@ class Hung(RuntimeError):
 
 
 def is_timeout(error: BaseException) -> bool:
-    """Whether `error` is a collective that timed out (gloo, NCCL)."""
+    """Whether `error` is a collective that timed out (gloo, NCCL; gloo says "Application timeout caused pair closure"
+    when its timeout ends a wait for a peer)."""
     text = str(error).lower()
-    return "timed out" in text or "timeout" in text and "collective" in text
+    return "timed out" in text or "timeout" in text and ("collective" in text or "pair closure" in text)
 
 
 def is_lost_peer(error: BaseException) -> bool:
