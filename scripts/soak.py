@@ -419,10 +419,12 @@ def soak(count: int, seed: int, nproc: int, dataset: str, steps: int, work: Path
                 result.faults.append(fault)
                 continue  # the launch goes on: the next fault ends it
         status, seconds = running.end()
-        for damaged in unread:
-            damaged.survived = running.said("is damaged") and running.said("skipping it")
-            damaged.outcome += "; the next launch named it and fell back" if damaged.survived else "; not noticed"
-        unread = []
+        if running.said("is damaged") or running.said("resumed from"):  # the launch read the checkpoints
+            for damaged in unread:
+                damaged.survived = running.said("is damaged") and running.said("skipping it")
+                damaged.outcome += "; the next launch to load named it and fell back" if damaged.survived else \
+                    "; not noticed"
+            unread = []
         new_resume = max(checkpoints(run), default=0)
         result.launches.append({"attempt": attempt, "status": status, "seconds": round(seconds, 2),
                                 "resumed_from": resume, "reached": running.last_step(), "checkpoint": new_resume})
