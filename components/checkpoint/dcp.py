@@ -401,7 +401,7 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, force: bool = False) -> None:
         """Save if due, or now when `force` (preemption). A save that runs out of space is named in one line and its
-        folder removed, the older checkpoints kept (_out_of_space)."""
+        folder removed, the older checkpoints kept (_save_failed)."""
         if not (self.due(step) or force and step != self.last_saved):
             return
         last = step == self.total_steps
@@ -429,7 +429,7 @@ class CheckpointManager:
                 self.pending = dcp.async_save(self.states, storage_writer=writer, **self.async_kwargs)
                 self.pending_step = step
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException; whether it was for space decides
-            self._out_of_space(step, e, force)
+            self._save_failed(step, e, force)
             return
         what = "queued" if self.pending is not None else "saved"
         logger.info(f"checkpoint {path} {what} in {time.perf_counter() - start:.2f}s")
@@ -444,13 +444,14 @@ class CheckpointManager:
             try:
                 pending.result()
             except (Exception, CheckpointException) as e:  # whether it was for space decides
-                self._out_of_space(self.pending_step, e, force=False)
+                self._save_failed(self.pending_step, e, force=False)
                 return
             self.purge()
 
-    def _out_of_space(self, step: int, error: BaseException, force: bool) -> None:
-        """After a failed save of `step` on every rank: re-raise `error` unless some rank's file system ran out of
-        space. If one did, the save's folder goes, the older checkpoints stay, and training goes on to save again
+    def _save_failed(self, step: int, error: BaseException, force: bool) -> None:
+        """After a failed save of `step` on every rank: a rank that stopped or died meanwhile is a hang, re-raised for
+        the training loop to name; any other failure is re-raised unless some rank's file system ran out of space. If
+        one did, the save's folder goes, the older checkpoints stay, and training goes on to save again
         at the next interval (checkpoint.on_disk_full "continue"), or stops with DiskFull ("stop", and always for
         the last step's and a preemption's save, which nothing later makes up for)."""
         stopped = next((e for e in causes(error) if isinstance(e, RuntimeError) and (is_timeout(e) or is_lost_peer(e))),
