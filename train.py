@@ -102,11 +102,7 @@ def train(config: Config, signals: StopSignals) -> int:
     training, dump_folder = config.training, Path(config.job.dump_folder)
     data_rank, data_degree = data_share(config.fault_tolerance, dims)  # replica groups read shares of one batch
     plan = batch_plan(training, data_degree)
-    torch.manual_seed(training.seed)
-    random.seed(training.seed)  # checkpoints carry both states: every launch must start from the same ones
-    if training.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
-        torch.use_deterministic_algorithms(True)
+    seed_and_determinism(training)
     # One job per dump folder: a second one stops here, before it writes anything (components/run/lock.py).
     on_rank0_for_all(lock_dump_folder, dump_folder)
 
@@ -241,6 +237,16 @@ def train(config: Config, signals: StopSignals) -> int:
                config.checkpoint.export_dtype)
     logger.info(f"training done: {training.steps} steps; outputs in {dump_folder}")
     return 0
+
+
+def seed_and_determinism(training) -> None:
+    """Seed torch's and Python's RNGs (checkpoints carry both states: every launch must start from the same ones) and
+    turn on deterministic algorithms where training.deterministic asks for them."""
+    torch.manual_seed(training.seed)
+    random.seed(training.seed)
+    if training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS requires
+        torch.use_deterministic_algorithms(True)
 
 
 def place_model(whole_model: nn.Module, model_package, dims: ParallelDims, mesh: DeviceMesh, config: Config,

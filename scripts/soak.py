@@ -32,23 +32,20 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from scripts.job_processes import Launch, descendants, signal_quietly
+from scripts.soak_compare import differences, final_state, flatten
+
 REPO = Path(__file__).resolve().parent.parent
-TRAINER = REPO / "tests" / "fault_injection.py"
 CORPUS = REPO / "tests/assets/shakespeare/train.jsonl"
 TOKENIZER = REPO / "tests/assets/tokenizers/shakespeare_bpe_4k.model"
 INTERVAL, KEEP, HANG_TIMEOUT = 2, 3, 8
 """Checkpoint interval, checkpoints kept, comm.train_timeout_seconds: a frozen rank ends its job in seconds."""
 DISK_MB = 320
 """The soak's file system: room for KEEP + 1 checkpoints of the tiny model (42 MB each, with Adam's moments)."""
-LAUNCHER = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300",
-            "OMP_NUM_THREADS": "1"}
-"""What run_train.sh sets for the launcher."""
-STEP_LINE = re.compile(r"\] \S+ step +(\d+) +loss")
 
 KINDS = {  # kind: what happens, and how it must end the launch it strikes (statuses; "continues": it goes on)
     "kill-rank-in-step": ("SIGKILL to one rank during a step", "crash"),
@@ -96,109 +93,6 @@ class Soak:
     """Kinds left out of this soak, and why."""
     trained_alone: int = 0
     """Replica groups: steps a group trained alone, the away group's share of their batch untrained."""
-
-
-class Launch:
-    """One launch of the job (components/run/launch.py, as run_train.sh starts it), its output read as it comes."""
-
-    def __init__(self, nproc: int, args: list[str], log: Path, env: dict[str, str]):
-        self.log, self.lines, self.start = log, [], time.perf_counter()
-        command = [sys.executable, "-m", "components.run.launch", "--standalone", "--nproc_per_node", str(nproc),
-                   str(TRAINER), *args]
-        self.proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, **LAUNCHER, **env), text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        with open(self.log, "w", buffering=1) as out:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                out.write(line)
-
-    def last_step(self) -> int:
-        steps = [int(m[1]) for line in list(self.lines) if (m := STEP_LINE.search(line))]
-        return max(steps, default=0)
-
-    def wait_until(self, condition, timeout: float = 300) -> bool:
-        """Whether `condition()` came true while the job ran."""
-        end = time.perf_counter() + timeout
-        while time.perf_counter() < end:
-            if condition():
-                return True
-            if self.proc.poll() is not None:
-                self.reader.join()
-                return condition()
-            time.sleep(0.02)
-        return False
-
-    def said(self, text: str) -> bool:
-        return any(text in line for line in list(self.lines))
-
-    def ranks(self) -> dict[int, int]:
-        """{rank: pid} of the job's workers."""
-        found = {}
-        for pid in descendants(self.proc.pid):
-            environment = read_environment(pid)
-            if environment.get("RANK") is not None and parent(pid) == self.proc.pid:
-                found[int(environment["RANK"])] = pid
-        return found
-
-    def loader_workers(self, rank: int) -> list[int]:
-        pid = self.ranks().get(rank)
-        return [child for child in descendants(pid) if parent(child) == pid and
-                "fault_injection" in command_line(child)] if pid else []
-
-    def end(self, timeout: float = 600) -> tuple[int, float]:
-        try:
-            status = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-                signal_quietly(pid, signal.SIGKILL)
-            status = self.proc.wait()
-        self.reader.join()
-        return status, time.perf_counter() - self.start
-
-
-def proc_read(pid: int, name: str) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/{name}").read_bytes()
-    except OSError:
-        return b""
-
-
-def parent(pid: int) -> int:
-    stat = proc_read(pid, "stat").decode(errors="replace")
-    return int(stat.rsplit(") ", 1)[1].split()[1]) if ") " in stat else -1
-
-
-def command_line(pid: int) -> str:
-    return proc_read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")
-
-
-def read_environment(pid: int) -> dict[str, str]:
-    pairs = (item.split(b"=", 1) for item in proc_read(pid, "environ").split(b"\0") if b"=" in item)
-    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def signal_quietly(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def checkpoints(run: Path) -> dict[int, Path]:
@@ -332,49 +226,6 @@ def trainer_args(work: Path, steps: int, dataset: str) -> list[str]:
             "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL),
             "--checkpoint.keep_latest_k", str(KEEP), "--metrics.log_freq", "1",
             "--comm.train_timeout_seconds", str(HANG_TIMEOUT)]
-
-
-def final_state(run: Path, steps: int, scratch: Path) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = scratch / f"{run.name}.pt"
-    dcp_to_torch_save(str(run / "checkpoint" / f"step-{steps}"), str(out))
-    return torch.load(out, weights_only=False)
-
-
-def differences(reference: Path, faulty: Path, steps: int, scratch: Path) -> list[str]:
-    """Where the faulty run differs from the reference: the steps logged, each step's loss and gradient norm, every
-    entry of the final checkpoint, bit for bit."""
-    import torch
-
-    found = []
-
-    def records(run: Path) -> list[dict]:
-        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-    ours, theirs = records(faulty), records(reference)
-    if [r["step"] for r in ours] != list(range(1, steps + 1)):
-        found.append(f"steps logged: {[r['step'] for r in ours]}")
-    for a, b in zip(ours, theirs):
-        if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"]):
-            found.append(f"step {a['step']}: loss {a['loss']!r} vs {b['loss']!r}, grad_norm {a['grad_norm']!r} vs "
-                         f"{b['grad_norm']!r}")
-    flat_a, flat_b = flatten(final_state(faulty, steps, scratch)), flatten(final_state(reference, steps, scratch))
-    for key in sorted(set(flat_a) | set(flat_b)):
-        a, b = flat_a.get(key), flat_b.get(key)
-        same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
-        if not same:
-            found.append(f"final checkpoint entry {key} differs")
-    return found
-
-
-def flatten(value, prefix: str = "") -> dict:
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
-    if isinstance(value, (list, tuple)) and not all(isinstance(v, (int, float, str)) for v in value):
-        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}.").items()}
-    return {prefix.rstrip("."): value}
 
 
 def soak(count: int, seed: int, nproc: int, dataset: str, steps: int, work: Path, disk: Path) -> Soak:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.soak import descendants  # noqa: E402  (no torch: imported before the first stop-signal point)
+from scripts.job_processes import descendants  # noqa: E402  (no torch: imported before the first stop-signal point)
 
 
 def send_stop_signal(point: str) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint.durable import NO_SPACE
+from components.checkpoint.disk_full import DiskFull, causes, out_of_space
 from components.checkpoint.integrity import (
     PARTIAL_SUFFIX,
     CommittingWriter,
@@ -39,6 +39,7 @@ from components.checkpoint.integrity import (
     listed_files,
     unused_name,
 )
+from components.checkpoint.staging import Stager
 from components.config import DTYPES, Checkpoint as CheckpointConfig, ConfigError
 from components.run.heartbeat import is_lost_peer, is_timeout
 from components.torch_private import stop_async_checkpoint_process
@@ -159,43 +160,6 @@ def mismatch(saved: dict, weights: dict[str, torch.Tensor], model_names: set[str
     if extra:
         return f"the checkpoint has model weight {extra[0]}, which this model lacks"
     return None
-
-
-class DiskFull(Exception):
-    """A checkpoint the run needs could not be written for lack of space: with checkpoint.on_disk_full "stop", or the
-    last step's or a preemption's save, after which no later save would make up for it (EXIT_DISK_FULL)."""
-
-
-FULL_BELOW = 0.01
-"""A save that failed while its file system had less than this share of its size free ran out of space: torch's
-writer of pickled entries reports a failed write only as `unexpected pos N vs M` (inline_container.cc), without
-the OSError."""
-
-
-def out_of_space(folder: Path, error: BaseException) -> str | None:
-    """How full the file system of `folder` is ("0.00 GiB free of 0.12 GiB"), where the failed save `error` ran out of
-    space: an OSError ENOSPC or EDQUOT among its causes (DCP's per-rank failures included), or less than FULL_BELOW
-    of the file system free now, with the failed save's files still there. None otherwise."""
-    usage = shutil.disk_usage(folder)
-    figures = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.2f} GiB"
-    if any(isinstance(e, OSError) and e.errno in NO_SPACE for e in causes(error)):
-        return figures
-    return figures if usage.free < FULL_BELOW * usage.total else None
-
-
-def causes(error: BaseException) -> list[BaseException]:
-    """`error` and what caused it: its causes and contexts, and DCP's per-rank failures."""
-    seen, todo, found = set(), [error], []
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        found.append(e)
-        if isinstance(e, CheckpointException):
-            todo += [failure for failure, _ in e.failures.values()]
-        todo += [e.__cause__, e.__context__]
-    return found
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -495,53 +459,3 @@ class CheckpointManager:
         if self.stager is not None:
             self.stager.close()
             stop_async_checkpoint_process()
-
-
-class Stager:
-    """checkpoint.async_mode async_with_pinned_mem: DCP's DefaultStager copies the state in a background thread
-    into shared host memory (pinned on CUDA, where the copy does not block the GPU), and a process of DCP's
-    writes it. One stager serves every save and keeps its host buffers, except under torch releases whose
-    stager cannot stage twice (torch 2.11 closes it after each staging: pytorch/pytorch#183413, a
-    `KeyError: <class 'type'>` at the next save); there a stager is made for each save and closed after it."""
-
-    def __init__(self, device: torch.device):
-        from torch.distributed.checkpoint.staging import StagingOptions
-
-        cuda = device.type == "cuda"
-        self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                                      use_non_blocking_copy=cuda)
-        self.reusable = stager_can_stage_twice()
-        self.current = None
-
-    def for_save(self):
-        from torch.distributed.checkpoint.staging import DefaultStager
-
-        if self.current is None:
-            self.current = DefaultStager(self.options)
-        return self.current
-
-    def staged(self) -> None:
-        """After a save's staging: a stager that cannot stage again is closed now."""
-        if not self.reusable:
-            self.close()
-
-    def close(self) -> None:
-        if self.current is not None:
-            self.current.close()
-            self.current = None
-
-
-def stager_can_stage_twice() -> bool:
-    """Whether this torch's DefaultStager stages a second time (tried on a tiny CPU state dict)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))
-    try:
-        for _ in range(2):
-            stager.stage({"probe": torch.zeros(2), "nested": {"step": 1}})
-        return True
-    except Exception:  # noqa: BLE001 - a closed stager fails in several ways (KeyError on 2.11)
-        return False
-    finally:
-        stager.close()

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from components.checkpoint.dcp import DiskFull
+from components.checkpoint.disk_full import DiskFull
 from components.config import ConfigError
 from components.run.exit_codes import EXIT_BAD_INPUT, EXIT_DISK_FULL, EXIT_HUNG, EXIT_PREEMPTED, EXIT_STOPPED
 from components.run.heartbeat import Hung
