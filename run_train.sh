@@ -3,6 +3,7 @@
 # status (0; 2 bad config or input; 3 stopped by the step guard; 4 a hang; 75 preempted after a checkpoint; the worst one
 # when ranks differ; see docs/reliability.md) and shows a failure once, from the rank that failed first.
 #   NGPU         processes on this node (default: the number of CUDA GPUs, or 1 without CUDA)
+#   OMP_NUM_THREADS  CPU threads of each process (default with NGPU > 1: 1, torchrun's choice)
 #   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml); a later
 #                --job.config_file on the command line wins
 # Every other argument goes to train.py, e.g. ./run_train.sh --training.steps 20

@@ -62,7 +62,7 @@ from components.model.layout_checks import check_model_supported, check_supporte
 from components.run.exit_codes import EXIT_BAD_INPUT, exit_process
 from components.run.heartbeat import OPTIMIZING, STEPPED, Heartbeat, is_lost_peer, is_timeout
 from components.run.launch import report_failure, run_worker
-from components.run.lock import die_with_launcher, lock_dump_folder, release_dump_folders
+from components.run.lock import die_with_launcher, failed_before_first_step, lock_dump_folder, release_dump_folders
 from components.run.stopping import Preemption, StopSignals, exit_status
 from components.torch_private import seed_dtensor_random
 from components.training.garbage_collection import GarbageCollection
@@ -231,6 +231,8 @@ def train(config: Config, signals: StopSignals) -> int:
         # A save is waited for.
         for part in (checkpointer, dataloader, metrics, collector, replicas, heartbeat):
             part.close()
+        if sys.exc_info()[1] is not None and train_state.step == start_step:  # e.g. the first read met a bad line:
+            failed_before_first_step(dump_folder)  # a folder this launch made goes again
     if config.checkpoint.last_save_in_hf and rank == 0:  # the others need not wait: DCP reads it from disk
         last = f"step-{training.steps}"
         export(config, model_package, checkpointer.folder / last, dump_folder / "hf" / last,

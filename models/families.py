@@ -33,7 +33,8 @@ def import_model_package(name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name not in (f"models.{name}", "models"):
             raise  # the package exists but imports something missing
-        raise ConfigError(f"model.name '{name}': there is no package models/{name} (see docs/models.md)") from e
+        raise ConfigError(f"model.name '{name}': there is no package models/{name}; the families are "
+                          f"{', '.join(model_package_names())} (docs/models.md)") from e
     missing = [export for export in MODEL_EXPORTS if export not in getattr(package, "__all__", ())]
     if missing:
         raise ConfigError(

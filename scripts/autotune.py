@@ -32,9 +32,7 @@ from scripts.memory_estimate import cpu_baseline_bytes, estimate
 AC_MODES = ("none", "op", "full")
 
 
-# --------------------------------------------------------------------------------------------------
-# Candidates
-# --------------------------------------------------------------------------------------------------
+# --- Candidates -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -138,9 +136,7 @@ def _parse_modes(text: str) -> list[str]:
     return modes
 
 
-# --------------------------------------------------------------------------------------------------
-# Results of runs
-# --------------------------------------------------------------------------------------------------
+# --- Results of runs ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -176,9 +172,7 @@ def rank(results: list[Result]) -> list[Result]:
     return done + [r for r in results if not r.ok]
 
 
-# --------------------------------------------------------------------------------------------------
-# The search
-# --------------------------------------------------------------------------------------------------
+# --- The search -----------------------------------------------------------------------------------
 
 
 def search(space: SearchSpace, budget_gib: float, estimate_fn: Callable[[Candidate], float],
@@ -245,9 +239,7 @@ def search(space: SearchSpace, budget_gib: float, estimate_fn: Callable[[Candida
     return results
 
 
-# --------------------------------------------------------------------------------------------------
-# Running a candidate
-# --------------------------------------------------------------------------------------------------
+# --- Running a candidate --------------------------------------------------------------------------
 
 
 def world_size_of(config: Config, world_size: int | None = None) -> int:
@@ -312,9 +304,7 @@ def run_candidate(base_args: list[str], candidate: Candidate, *, steps: int, run
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------------
+# --- Report ---------------------------------------------------------------------------------------
 
 
 def table(results: list[Result], dp: int) -> str:
@@ -342,17 +332,25 @@ def winner_command(base_args: list[str], winner: Candidate, world_size: int) -> 
     return prefix + shlex.join(["./run_train.sh", *config_part, *args, *winner.overrides()])
 
 
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
+# --- Command line ---------------------------------------------------------------------------------
+
+
+EPILOG = """Any other --section.key value argument is a config override passed to every run.
+
+AC: activation checkpointing (activation_checkpoint.mode): none keeps every activation, op recomputes
+the cheap ops of each block (selective by op), full recomputes whole blocks.
+
+Example: the fastest batch size, AC and compile setting of the debug model under 2 GiB per rank:
+  python -m scripts.autotune --job.config_file debug_model.toml --memory-budget-gib 2 --steps 6 \\
+      --output outputs/autotune"""
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.autotune", description=__doc__.split("\n\n")[0],
-        epilog="Any other --section.key value argument is a config override passed to every run.",
-    )
-    parser.add_argument("--memory-budget-gib", type=float, required=True, help="peak memory per rank allowed")
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    parser.add_argument("--memory-budget-gib", type=float, required=True,
+                        help="peak memory per rank allowed (required)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="steps left out of the median (default 2, 3 with compile)")
@@ -361,21 +359,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-batch", type=int, default=None,
                         help="largest power of two tried (default: the configured local batch)")
     parser.add_argument("--ac-modes", type=str, default="none,op,full",
-                        help="from least to most recomputation (default none,op,full)")
+                        help="activation checkpointing (AC) modes to try, from least to most recomputation "
+                             "(default none,op,full)")
     parser.add_argument("--compile", type=str, default="off,on", help="compile settings to try (default off,on)")
     parser.add_argument("--float8", type=str, default=None,
                         help="float8 settings (default off,on on GPUs with float8, else off)")
     parser.add_argument("--world-size", type=int, default=None,
-                        help="processes per run when data_parallel_shard_degree is -1")
-    parser.add_argument("--output", type=str, default=None, help="folder for autotune.md and the runs")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+                        help="processes per run when data_parallel_shard_degree is -1 (default: the local GPUs, "
+                             "or 1 without CUDA)")
+    parser.add_argument("--output", type=str, default=None,
+                        help="folder for autotune.md and the runs (default: none: the table on stdout only, the runs "
+                             "in a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run (default 900)")
     parser.add_argument("--exhaustive", action="store_true",
                         help="run every candidate, not only the least recomputation that fits")
     parser.add_argument("--dry-run", action="store_true", help="print the candidates and their estimates, run nothing")
     parser.add_argument("--predict", action="store_true",
                         help="rank layouts (TP, PP x AC x batch) by preflight's predicted tokens/s, run nothing")
     parser.add_argument("--pp-degrees", default="1", help="with --predict: pipeline degrees to try (default 1)")
-    parser.add_argument("--cluster", default="h100", help="with --predict: h100, h200 or a TOML file (preflight's)")
+    parser.add_argument("--cluster", default="h100",
+                        help="with --predict: h100, h200 or a TOML file (preflight's; default h100)")
     return parser.parse_known_args(argv)
 
 

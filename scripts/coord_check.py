@@ -178,12 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         for site in per_width[widths[0]][-1]:
             print(f"  {site:<15}" + "".join(f"{per_width[w][-1][site][1]:>9.4f}" for w in widths)
                   + f"   x{growth(per_width, site):.2f}")
-    try:
-        plot(results, f"Coordinate check: {args.optimizer} lr {args.lr:g}, {args.n_layers} layers, "
-                      f"µP base width {args.base_dim}", args.output)
-    except ImportError:
-        print("the plot needs matplotlib: pip install 'ingot[plots]'")
-        return 1
+    plot(results, f"Coordinate check: {args.optimizer} lr {args.lr:g}, {args.n_layers} layers, "
+                  f"µP base width {args.base_dim}", args.output)
     print(f"wrote {args.output}")
     return 0
 

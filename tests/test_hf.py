@@ -4,6 +4,8 @@ Every comparison of logits prints its relative error (run with -s to see them; d
 """
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,12 +80,24 @@ def run_hf(*argv) -> None:
 
 
 @pytest.mark.slow
-def test_export_of_a_trained_checkpoint_gives_transformers_the_same_logits(tmp_path, train_in_process):
+def test_export_of_a_trained_checkpoint_gives_transformers_the_same_logits(tmp_path, train_in_process, monkeypatch):
     dump = tmp_path / "run"
     assert train_in_process([*TINY, "--training.steps", "3", "--checkpoint.enable", "true",
                              "--checkpoint.interval", "3", "--job.dump_folder", str(dump)]) == 0
     checkpoint = dump / "checkpoint" / "step-3"
+    said = logging.Handler()  # the export's own lines (train.main's logging setup has replaced pytest's handler)
+    said.emit, said.lines = lambda record: said.lines.append(record.getMessage()), []
+    monkeypatch.setattr(hf_export.logger, "handlers", [said])
     run_hf("export", *TINY, "--checkpoint", checkpoint, "--output", tmp_path / "hf")
+    assert said.lines[-1].endswith("; its form checked against transformers")
+    with monkeypatch.context() as without_transformers:  # the README's install: the export says it did not check
+        without_transformers.setitem(sys.modules, "transformers", None)
+        run_hf("export", *TINY, "--checkpoint", checkpoint, "--output", tmp_path / "unchecked")
+    assert said.lines[-2:] == [
+        "models.llama3: the Hugging Face form is not checked: transformers is not installed (pip install -e '.[hf]' "
+        "installs it)",
+        f"exported {checkpoint} to {tmp_path / 'unchecked'}: 1 safetensors file(s), 13.8 MiB in float32; its form NOT "
+        "checked (see above)"]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.model"
     ]

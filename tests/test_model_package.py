@@ -43,7 +43,8 @@ def test_every_model_package_exports_the_contract(name):
 
 def test_an_unknown_model_name_is_one_clear_error(train_in_process, tmp_path, capsys):
     assert train_in_process([*TINY, "--model.name", "llama9", "--job.dump_folder", str(tmp_path)]) == 2
-    assert "model.name 'llama9': there is no package models/llama9" in capsys.readouterr().err
+    assert ("model.name 'llama9': there is no package models/llama9; the families are deepseek_v3, gpt_oss, llama3, "
+            "qwen3, qwen3_5 (docs/models.md)") in capsys.readouterr().err
     with pytest.raises(ConfigError, match="does not export"):
         import_model_package("llama3.model")  # a module without the contract
 

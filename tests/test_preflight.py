@@ -55,7 +55,7 @@ def test_the_fake_step_records_the_collectives_of_a_real_step_over_gloo(tmp_path
         real = json.loads((tmp_path / f"rank{rank}.json").read_text())
         fake = fake_step(args, 4, rank)
         assert collectives(fake) == real, rank
-        assert {"_allgather_base over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
+        assert {"all_gather_into_tensor over dp_shard", "all_gather_into_tensor over tp"} <= set(real)
         real_peak = json.loads((tmp_path / f"peak{rank}.json").read_text())
         assert fake.peak_bytes <= real_peak <= 1.03 * fake.peak_bytes
 
@@ -198,8 +198,8 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
     assert report.coordinates == {"dp_shard": 2, "tp": 1}
     assert report.param_bytes == 4 * report.params
     assert 0 < report.optimizer_bytes - 2 * report.param_bytes <= 4 * 100  # and a 4-byte step count per tensor
-    gather, scatter = report.collectives[("_allgather_base", "dp_shard")], report.collectives[
-        ("_reduce_scatter_base", "dp_shard")]
+    gather, scatter = report.collectives[("all_gather_into_tensor", "dp_shard")], report.collectives[
+        ("reduce_scatter_tensor", "dp_shard")]
     assert (gather.count, gather.group_size) == (2 * 6 + 1, 4) and (scatter.count, scatter.group_size) == (6 + 1, 4)
     # Each gather puts in this rank's shard of a unit; the blocks' twice, the root's once.
     block_bytes = report.param_bytes - report.root_param_bytes
@@ -224,7 +224,7 @@ def test_a_rank_of_fsdp_4_by_tp_2_holds_its_share_and_sends_what_fsdp_and_tp_sen
 def test_what_does_not_compose_or_is_not_covered_yet_is_one_line_and_exit_2(args, error):
     result = preflight(*args)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == error
+    assert (result.stdout, result.stderr) == ("", f"{error}\n")  # the refusal alone
 
 
 def test_fsdp_over_4_counts_the_step_s_flops_near_the_model_s_formula_and_predicts_its_time_from_them():
@@ -238,6 +238,12 @@ def test_fsdp_over_4_counts_the_step_s_flops_near_the_model_s_formula_and_predic
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "  cluster h200: H200 SXM nodes, NVLink 4, 400 Gb/s InfiniBand a GPU; 8 GPUs a node" in lines
+    assert lines[9] == "rank 3 (dp_shard 3), its start-up and one step checked in " + lines[9].split(" in ")[-1]
+    header = lines.index("    mesh dimension collective                       calls bytes put in  group")
+    rows = [line.split()[:2] for line in lines[header + 1:] if line.startswith("    dp_shard")]
+    # torch.distributed's public names, one row per operation (FSDP's c10d all-reduce and DTensor's merged).
+    assert sorted(rows) == [["dp_shard", "all_gather_into_tensor"], ["dp_shard", "all_reduce"],
+                            ["dp_shard", "reduce_scatter_tensor"]], lines
     line = next(line for line in lines if "FLOPs of one step" in line)
     counted, formula = (float(part.split(" T")[0].split()[-1]) for part in line.split(";"))
     assert formula < counted < 1.1 * formula, line
@@ -257,8 +263,8 @@ def test_the_prediction_hides_fsdp_s_bulk_collectives_behind_compute_and_adds_wh
     waited for (unless async TP); a pipeline's bubble and sends add to the step."""
     h100 = CLUSTERS["h100"]
     gib = 2**30
-    collectives = {("_allgather_base", "dp_shard"): Collective(2, 2 * gib, 8, tuple(range(8))),
-                   ("allreduce", "tp"): Collective(4, gib, 2, (0, 8))}
+    collectives = {("all_gather_into_tensor", "dp_shard"): Collective(2, 2 * gib, 8, tuple(range(8))),
+                   ("all_reduce", "tp"): Collective(4, gib, 2, (0, 8))}
     step = Step("bfloat16", compiled=True, async_tp=False, tokens=8 * 4096, world_size=16)
     one_second = 0.45 * 989e12
     p = predict(one_second, 0, 3.56e14, collectives, step, h100)

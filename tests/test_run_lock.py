@@ -128,3 +128,20 @@ def test_a_run_refused_for_its_data_leaves_a_new_folder_absent_and_an_existing_o
     (existing / "notes.txt").write_text("mine")
     assert train_in_process([*missing, "--job.dump_folder", str(existing)]) == 2
     assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_refused_at_its_first_read_for_a_bad_data_line_leaves_no_new_folder(tmp_path):
+    """The data's line 51 is not JSON: the streaming loader's workers (the default config's) meet it in the first
+    step, after start-up wrote config.toml, metrics.jsonl and tb/ into the new folder; the launch, as run_train.sh
+    starts it, takes the folder back."""
+    lines = (REPO / "tests/assets/shakespeare/train.jsonl").read_text().splitlines()
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join([*lines[:50], '{"text": "cut', *lines[50:55]]) + "\n")
+    env = dict(os.environ, NGPU="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run([str(REPO / "run_train.sh"), "--training.dataset_path", str(data), "--training.steps", "2",
+                             "--job.dump_folder", str(tmp_path / "new" / "run")], cwd=REPO, env=env, text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().endswith(f"error: training.dataset_path: {data}:51: invalid JSON (Invalid control "
+                                          "character at)")  # the line break, read as part of the string
+    assert not (tmp_path / "new").exists()

@@ -220,16 +220,6 @@ def test_compare_groups_seeds_into_a_mean(tmp_path, capsys):
     assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["loss"] == 0.25 and len(val) == 1
 
 
-def test_report_without_matplotlib_writes_the_tables_and_says_how_to_get_the_plot(tmp_path, monkeypatch, capsys):
-    run = fake_run(tmp_path / "a", 1e-3, 1, [3.0, 2.0])
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    out = tmp_path / "report"
-    assert main(["compare", str(run), "--output", str(out)]) == 0
-    assert "pip install 'ingot[plots]'" in capsys.readouterr().out
-    assert (out / "results.csv").is_file() and (out / "results.md").is_file() and not (out / "loss_curves.png").exists()
-    assert "loss_curves.png" not in (out / "results.md").read_text()
-
-
 # --- Slow: real tiny sweeps through run_train.sh ---------------------------------------------------------
 
 

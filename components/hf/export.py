@@ -102,19 +102,21 @@ def check_length(model: torch.nn.Module, max_seq_len: int) -> int:
     return max([min(16, max_seq_len), *(window + 1 for window in windows)])
 
 
-def check_hf_form(package: ModuleType, args) -> None:
+def check_hf_form(package: ModuleType, args) -> bool:
     """Refuse a model whose Hugging Face form (the family's hf_config and to_hf) is not the same model, before
     anything is written. The form is derived from the model's arguments (hidden_act, model_type, ...) or refused
     by hf_config; this checks that the derivation holds for the code as it is, a fork's edits included: a copy of
     the model with at most CHECK_LAYERS blocks, a vocabulary of CHECK_VOCAB and random weights is written as an HF
     folder, transformers loads it, and both must give the same logits. Skipped, saying so, without transformers
-    or where that copy would exceed CHECK_MAX_PARAMETERS (the published shapes are tested by the suite)."""
+    or where that copy would exceed CHECK_MAX_PARAMETERS (the published shapes are tested by the suite). Whether it
+    ran."""
     name = package.__name__
     try:
         import transformers
     except ImportError:
-        logger.info(f"{name}: the Hugging Face form is not checked against transformers (pip install transformers)")
-        return
+        logger.warning(f"{name}: the Hugging Face form is not checked: transformers is not installed (pip install "
+                       "-e '.[hf]' installs it)")
+        return False
     config_json = package.hf_config(args)  # refuses what it cannot express
     small = replace(args, n_layers=min(args.n_layers, CHECK_LAYERS), vocab_size=min(args.vocab_size, CHECK_VOCAB))
     with torch.device("meta"):
@@ -128,7 +130,7 @@ def check_hf_form(package: ModuleType, args) -> None:
     if size > CHECK_MAX_PARAMETERS:
         logger.info(f"{name}: the Hugging Face form is not checked: a {small.n_layers}-block copy of the model has "
                     f"{size / 1e6:.0f}M parameters")
-        return
+        return False
     generator = torch.Generator().manual_seed(0)
     model.to_empty(device="cpu")
     model.init_weights()
@@ -165,6 +167,7 @@ def check_hf_form(package: ModuleType, args) -> None:
             f"{config_json.get('hidden_act')!r}) computes another model: logits {error:.1e} apart (relative) on a "
             f"{small.n_layers}-block copy with random weights; make hf_config and to_hf in {where} describe what the "
             "model computes (a changed activation belongs in ModelArgs.hidden_act)")
+    return True
 
 
 def export(config: Config, package: ModuleType, checkpoint: Path, output: Path, dtype: str = "float32",
@@ -172,7 +175,7 @@ def export(config: Config, package: ModuleType, checkpoint: Path, output: Path, 
     """Write the model weights of a DCP checkpoint as an HF folder (e.g. LlamaForCausalLM's), once the form
     is checked (check_hf_form); `package` is the config's family (models/<config.model.name>)."""
     args, tokenizer = model_and_args(config, package)
-    check_hf_form(package, args)
+    checked = check_hf_form(package, args)
     output.mkdir(parents=True, exist_ok=True)
     files, total_bytes = write_weights(package, args, checkpoint, output, DTYPES[dtype], int(max_shard_gb * 2**30))
     ids = {"bos_id": none_if_negative(tokenizer.bos_id), "eos_id": none_if_negative(tokenizer.eos_id)}
@@ -182,7 +185,8 @@ def export(config: Config, package: ModuleType, checkpoint: Path, output: Path, 
     write_json(output / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
     copy_tokenizer(config.model.tokenizer_path, output)
     size = f"{total_bytes / 2**20:.1f} MiB in {dtype}"
-    logger.info(f"exported {checkpoint} to {output}: {files} safetensors file(s), {size}")
+    logger.info(f"exported {checkpoint} to {output}: {files} safetensors file(s), {size}; "
+                + ("its form checked against transformers" if checked else "its form NOT checked (see above)"))
 
 
 def write_weights(

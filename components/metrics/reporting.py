@@ -113,6 +113,10 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+IDENTIFIERS = ("step", "data_hash", "slowest_rank")
+"""Fields of a step's record that name something rather than measure it: in metrics.jsonl, not plotted as scalars."""
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 2**30
@@ -284,7 +288,7 @@ class MetricsLogger:
             )
             self.write(record)
             self.scalars(step, {f"train/{key}": value for key, value in record.items()
-                                if key != "step" and value is not None})
+                                if key not in IDENTIFIERS and value is not None})
         self.reset_timer()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

@@ -12,6 +12,9 @@ each of them, so an error every rank hits is shown once.
 A stop signal (SIGTERM, SIGUSR1) that comes before torchrun can pass it on, or before a worker can note it, is held
 until then (components/run/stop_signals.py): the launcher blocks both first thing, its workers start with them blocked,
 and it unblocks them once torchrun's handler is installed and the workers have started.
+
+At the end of a launch that trained or stopped after a checkpoint, it draws the run: <dump_folder>/metrics.png
+(components/metrics/plot.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -179,18 +184,26 @@ def launch_once(argv: list[str]) -> tuple[int, list[str], bool]:
     from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    args = torchrun.parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ and torchrun.determine_local_world_size(args.nproc_per_node) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own choice for several workers, which it prints in 4 lines
+    own_log_dir = args.log_dir is None  # else torchrun leaves a torchelastic_* folder in TMPDIR at every launch
+    if own_log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     workers, signalled = Workers(), None
     with (mock.patch.object(PContext, "close", workers.watch(PContext.close)),
           mock.patch.object(SimpleElasticAgent, "_initialize_workers", _then_release(SimpleElasticAgent))):
         try:
-            torchrun.run(torchrun.parse_args(argv))
+            torchrun.run(args)
         except ChildFailedError:
             pass  # torchrun's summary of the failure: the workers' own statuses and reports are read below
         except SignalException as e:  # torchrun passed the signal on and waited for the workers
             signalled = 128 + e.sigval
         finally:
             hold_stop_signals()  # again: between attempts, and until the launcher exits
-    status, lines = workers.outcome()
+    status, lines = workers.outcome()  # reads the workers' error files, in the log folder
+    if own_log_dir:
+        shutil.rmtree(args.log_dir, ignore_errors=True)
     return (status if status is not None else signalled or 0), lines, signalled is not None
 
 
@@ -216,12 +229,40 @@ def with_process_count(argv: list[str]) -> list[str]:
     return ["--nproc_per_node", str(max(torch.cuda.device_count(), 1)), *argv]
 
 
+def picture_of_the_run(argv: list[str]) -> None:
+    """<dump_folder>/metrics.png of the run torchrun's arguments start (components/metrics/plot.py), where this node
+    holds its metrics.jsonl; a replica group's in its own folder."""
+    from torch.distributed import run as torchrun
+
+    from components.config import ConfigError, read_key
+    from components.metrics.plot import plot_runs
+
+    try:
+        args = list(torchrun.parse_args(argv).training_script_args)
+        folder = Path(read_key(args, "job.dump_folder"))
+        if read_key(args, "fault_tolerance.enable"):
+            folder = folder / f"replica_{read_key(args, 'fault_tolerance.replica_id')}"
+    except (ConfigError, OSError, ValueError):
+        return
+    if (folder / "metrics.jsonl").is_file() and plot_runs([folder], folder / "metrics.png"):
+        print(f"plot of the run: {folder / 'metrics.png'}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """torchrun (launch_with_restarts), then a picture of the run where it trained (0) or stopped after a checkpoint
+    (75)."""
+    hold_stop_signals()  # until torchrun can pass them on to the workers (launch_once): not lost, not fatal
+    argv = with_process_count(sys.argv[1:] if argv is None else argv)
+    status = launch_with_restarts(argv)
+    if status in (0, EXIT_PREEMPTED):
+        picture_of_the_run(argv)
+    return status
+
+
+def launch_with_restarts(argv: list[str]) -> int:
     """torchrun, and again after a crash or a hang as many times as job.max_restarts allows: each attempt resumes
     the run's last checkpoint. Never after bad input (2), the step guard (3), a full disk (74), a preemption (75) or
     a signal to the launcher: those a person or the scheduler decides on."""
-    hold_stop_signals()  # until torchrun can pass them on to the workers (launch_once): not lost, not fatal
-    argv = with_process_count(sys.argv[1:] if argv is None else argv)
     os.environ[LAUNCHED] = "1"
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
     restarts = restarts_allowed(argv)

@@ -8,7 +8,8 @@ lock goes through the server's lock manager (NLM for NFSv3, built into NFSv4) an
 Lustre honours it across clients only when mounted with `-o flock` (with `-o localflock` it holds on one
 host only). Where the filesystem cannot lock at all, the job says so and runs unguarded. A job that wrote nothing
 into its folder (refused, or stopped by a signal, before its first step) leaves it as it was: a folder it created goes
-again, and so does a lock file it created in a folder that was there.
+again, and so does a lock file it created in a folder that was there; a folder it created also goes when the run
+failed before its first step after writing its start-up files (a bad data line is found by the first step's read).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -38,6 +40,7 @@ _held: dict[Path, tuple[object, Path | None, set[str] | None]] = {}
 """The open lock files (a lock lasts as long as its file stays open), each with the outermost folder its job
 created (None where the folder was there before) and, where the job created the lock file in a folder that was
 there, the names the folder held before."""
+_failed_before_first_step: set[Path] = set()
 
 
 def lock_dump_folder(folder: Path) -> None:
@@ -73,13 +76,22 @@ def lock_dump_folder(folder: Path) -> None:
     _held[folder] = handle, created, before
 
 
+def failed_before_first_step(folder: Path) -> None:
+    """The run ended by an error before its first step: at release, a folder this job created goes whole, what its
+    start-up wrote included (config.toml, an empty metrics.jsonl, tb/)."""
+    _failed_before_first_step.add(folder.resolve())
+
+
 def release_dump_folders() -> None:
     """Drop this process's folder locks (at a run's end: in a test, a run ends inside a longer-lived process). A
-    folder the job created and left holding only its lock file goes, with the empty folders created above it; a lock
-    file the job created in a folder whose names it left as they were goes too."""
+    folder the job created and left holding only its lock file, or that it wrote into before failing ahead of its
+    first step, goes, with the empty folders created above it; a lock file the job created in a folder whose names
+    it left as they were goes too."""
     for folder, (handle, created, before) in _held.items():
         handle.close()
-        if before is not None and {p.name for p in folder.iterdir()} == before | {LOCK_FILE}:
+        if created is not None and folder in _failed_before_first_step:
+            shutil.rmtree(created, ignore_errors=True)
+        elif before is not None and {p.name for p in folder.iterdir()} == before | {LOCK_FILE}:
             (folder / LOCK_FILE).unlink()
         elif created is not None and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
             (folder / LOCK_FILE).unlink()
@@ -89,6 +101,7 @@ def release_dump_folders() -> None:
                     if empty == created:
                         break
     _held.clear()
+    _failed_before_first_step.clear()
 
 
 def die_with_launcher() -> None:

@@ -13,15 +13,12 @@ from scripts.ladder.plan import short_count
 from scripts.ladder.results import Row
 
 
-def plot_loss_vs_compute(rows: list[Row], law: Law, summary: dict, path: Path, title: str) -> bool:
-    """False (and nothing written) without matplotlib."""
-    try:
-        import matplotlib
+def plot_loss_vs_compute(rows: list[Row], law: Law, summary: dict, path: Path, title: str) -> None:
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     measured = [r for r in rows if r.loss is not None]
     target = summary.get("target")
     flops = [r.run.flops for r in measured] + ([target["C"]] if target else [])
@@ -63,4 +60,3 @@ def plot_loss_vs_compute(rows: list[Row], law: Law, summary: dict, path: Path, t
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
-    return True

@@ -31,19 +31,22 @@ def size(n: float) -> str:
 
 def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
     where = ", ".join(f"{k} {v}" for k, v in report.coordinates.items()) or "the only rank"
-    lines = [f"rank {report.rank} ({where}), {report.seconds:.1f} s:",
+    lines = [f"rank {report.rank} ({where}), its start-up and one step checked in {report.seconds:.1f} s:",
              f"  parameters {report.params / 1e6:,.2f}M ({size(report.param_bytes)}), optimizer state "
              f"{size(report.optimizer_bytes)}; checkpoint share {size(report.param_bytes + report.optimizer_bytes)}",
              f"  memory at the step's peak {size(report.peak_bytes)} (its tensors)",
              f"  FLOPs of one step {report.flops / 1e12:,.3f} T counted"
              + (f" ({report.float8_flops / 1e12:,.3f} T in float8 linear layers)" if report.float8_flops else "")
              + f"; the model's formula (MFU's) gives this rank {report.model_flops / 1e12:,.3f} T",
-             "  collectives of one step, by mesh dimension:" if report.collectives else "  no collectives"]
+             "  collectives of one step (bytes put in: a gather's or all-to-all's input, a reduce-scatter's whole "
+             "buffer, a reduction's or send's tensors):" if report.collectives else "  no collectives"]
     if report.note:
         lines.insert(1, f"  note: {report.note}")
-    width = max([12, *(len(dim) for _, dim in report.collectives)])
+    width = max([14, *(len(dim) for _, dim in report.collectives)])
+    if report.collectives:
+        lines.append(f"    {'mesh dimension':{width}s} {'collective':32s} {'calls':>5s} {'bytes put in':>12s}  group")
     for (op, dim), c in sorted(report.collectives.items(), key=lambda kv: (kv[0][1], -kv[1].bytes)):
-        lines.append(f"    {dim:{width}s} {op:28s} x{c.count:<5d} {size(c.bytes):>11s} over {c.group_size} ranks")
+        lines.append(f"    {dim:{width}s} {op:32s} {c.count:5d} {size(c.bytes):>12s}  {c.group_size} ranks")
     p = predict(report.flops, report.float8_flops, report.model_flops, report.collectives, step, cluster,
                 report.pipeline_bubble)
     waits = p.waits()
@@ -72,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ranks {args.ranks}: {bad} not in 0 to {args.world_size - 1}")
         cluster = load_cluster(args.cluster)
         step = Step.of(config, dims)
+        reports = run_ranks(config, args.world_size, ranks)
+        first = next(reports)  # a layout that does not compose is refused here, before anything is printed
         print(f"preflight: {config.model.name} {config.model.flavor} on {args.world_size} processes, "
               f"{dims.describe()}, ranks {ranks}\nprediction's assumptions:\n"
               + "\n".join(f"  {line}" for line in assumptions(cluster, step)), flush=True)
-        for report in run_ranks(config, args.world_size, ranks):
+        for report in (first, *reports):
             print(describe(report, step, cluster), flush=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

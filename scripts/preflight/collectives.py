@@ -16,6 +16,14 @@ from torch.utils._pytree import tree_flatten
 
 NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 SKIPPED = {"wait", "wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}  # these move no data
+PUBLIC_NAMES = {
+    "_allgather_base": "all_gather_into_tensor", "allgather": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "_reduce_scatter_base": "reduce_scatter_tensor", "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced", "alltoall_base": "all_to_all_single", "alltoall": "all_to_all",
+}
+"""c10d's operator names (what FSDP and the pipeline call) by torch.distributed's public name of the same operation,
+which DTensor's functional collectives already carry: one row per operation."""
 
 
 @dataclass
@@ -109,7 +117,7 @@ class CollectiveRecorder(TorchDispatchMode):
             ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else ()
             dim = self.names.get(ranks, f"group of {len(ranks)}") if ranks else "?"
             sent = _sent(op, flat)
-            record = self.calls[(op.rstrip("_"), dim)]
+            record = self.calls[(PUBLIC_NAMES.get(op.rstrip("_"), op.rstrip("_")), dim)]
             record.count, record.bytes = record.count + 1, record.bytes + sent
             record.group_size, record.ranks = len(ranks), ranks
         return func(*args, **(kwargs or {}))

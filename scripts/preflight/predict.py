@@ -139,7 +139,7 @@ def collective_seconds(op: str, c: Collective, cluster: Cluster) -> float:
     latency = cluster.inter_node_latency_us if across_nodes else cluster.intra_node_latency_us
     if "gather" in op:
         volume = c.bytes * (n - 1)  # each call put in this rank's shard; it receives the n-1 others
-    elif "reduce_scatter" in op or "alltoall" in op or "all_to_all" in op:
+    elif "reduce_scatter" in op or "all_to_all" in op:
         volume = c.bytes * (n - 1) / n
     elif "reduce" in op:  # all-reduce: a reduce-scatter, then an all-gather
         volume = 2 * c.bytes * (n - 1) / n
@@ -152,7 +152,7 @@ def overlapped(op: str, dim: str, c: Collective, step: Step) -> bool:
     """Bulk collectives (1 MiB or more a call) of FSDP and HSDP (expert parallelism's all-to-alls wait, whatever
     their group), and of TP under async TP, which overlaps its gathers and reduce-scatters with the matmuls beside
     them; small ones (a norm's, float8's scales) wait wherever they are."""
-    fsdp = is_data_parallel(dim) and "all_to_all" not in op and "alltoall" not in op
+    fsdp = is_data_parallel(dim) and "all_to_all" not in op
     return (fsdp or (dim == "tp" and step.async_tp)) and c.bytes >= BULK_BYTES * c.count
 
 

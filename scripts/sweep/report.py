@@ -33,8 +33,6 @@ FINAL_FRACTION = 0.1  # ... from the last 10% of the run's steps
 # Keys that do not change what a run computes; compare ignores them when it looks for differences.
 NOT_A_SETTING = ("job.", "metrics.", "profiling.", "comm.", "checkpoint.enable", "checkpoint.folder",
                  "checkpoint.interval", "checkpoint.async_mode", "checkpoint.keep_latest_k", "validation.freq")
-PLOTS_NOTE = ("note: matplotlib is not installed, so there is no loss_curves.png: "
-              "pip install 'ingot[plots]' for the plot")
 
 
 # --- Results: what each run reached ------------------------------------------------------------------
@@ -307,15 +305,13 @@ def markdown(results: list[Result], title: str, preamble: list[str] = (), plot: 
 
 def plot_curves(results: list[Result], path: Path, title: str) -> bool:
     """Train loss against steps and against tokens, one line per setting; a setting with several seeds
-    is drawn as their mean with a min-max band. False (and nothing written) without matplotlib."""
-    try:
-        import matplotlib
+    is drawn as their mean with a min-max band. False (and nothing written) where no run logged a loss."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import EngFormatter
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
+
     fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = 0
@@ -353,7 +349,7 @@ def plot_curves(results: list[Result], path: Path, title: str) -> bool:
 
 def write_report(results: list[Result], output: Path, title: str, preamble: list[str],
                  log: Callable[[str], None]) -> str:
-    """results.csv, results.md and (with matplotlib) loss_curves.png in `output`; logs the markdown and
+    """results.csv, results.md and (where a run logged a loss) loss_curves.png in `output`; logs the markdown and
     the files written, and returns the markdown."""
     output.mkdir(parents=True, exist_ok=True)
     write_csv(results, output / "results.csv")
@@ -365,6 +361,4 @@ def write_report(results: list[Result], output: Path, title: str, preamble: list
     log(text.rstrip("\n"))
     files = ["results.md", "results.csv"] + (["loss_curves.png"] if plotted else [])
     log(f"report: {', '.join(str(output / f) for f in files)}")
-    if not plotted and any(r.train for r in results):
-        log(PLOTS_NOTE)
     return text

@@ -1,0 +1,35 @@
+"""The picture of runs (components/metrics/plot.py, `python -m scripts.plot`): what it draws from metrics.jsonl."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+from components.metrics.plot import plot_runs
+from scripts.plot import main
+
+
+def fake_run(folder, losses, validation=()):
+    folder.mkdir(parents=True)
+    lines = [{"step": s, "loss": loss, "grad_norm": 1.0 / s, "lr": 1e-3 * s, "tokens_per_second": 100.0 + s}
+             for s, loss in enumerate(losses, 1)]
+    lines += [{"step": s, "val_loss": loss} for s, loss in validation]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+def test_several_runs_go_on_one_png_and_a_folder_without_steps_is_named(tmp_path, capsys):
+    a = fake_run(tmp_path / "a", [3.0, 2.5, 2.0], validation=[(3, 2.2)])
+    b = fake_run(tmp_path / "b", [3.1, 2.9])
+    (tmp_path / "empty").mkdir()
+    assert plot_runs([a, b, tmp_path / "empty"], tmp_path / "both.png") == [a, b]
+    assert matplotlib.image.imread(tmp_path / "both.png").shape[:2] == (520, 800)  # 10 x 6.5 in at 80 dpi
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["both.png"]  # no partial file left
+
+    assert main([str(a), str(tmp_path / "empty"), "--output", str(tmp_path / "cli.png")]) == 0
+    assert capsys.readouterr() == (f"plot of 1 run(s): {tmp_path / 'cli.png'}\n",
+                                   f"no step logged in {tmp_path / 'empty'} (no metrics.jsonl, or an empty one)\n")
+    assert main([str(b)]) == 0 and (b / "metrics.png").is_file()  # one run: beside its metrics.jsonl
+    assert main([str(tmp_path / "empty")]) == 2
+    with pytest.raises(SystemExit):  # several runs need a file to go to
+        main([str(a), str(b)])
