@@ -68,6 +68,16 @@ def test_a_documented_tool_starts(module, helps):
     assert "usage:" in output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["scripts.autotune", "scripts.preflight"])
+def test_the_planning_tools_help_gives_every_default_and_an_example(module, helps):
+    """Readable without the docs: each option with a value says its default (or that it is required)."""
+    options = re.split(r"\n  (?=-)", helps[module][1].split("options:")[1].split("\n\n")[0])[1:]
+    valued = [o for o in options if re.match(r"--[\w-]+ [A-Z_]+", o) and not o.startswith("-h")]
+    assert valued and all("default" in o or "required" in o for o in valued), [o for o in valued if "default" not in o]
+    assert "Example:" in helps[module][1] and f"python -m {module} " in helps[module][1].split("Example:")[1]
+
+
 def test_console_scripts_point_at_main_functions():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts

@@ -59,13 +59,22 @@ def describe(report: RankReport, step: Step, cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
+EPILOG = """Every other argument is a train.py config argument (--section.key value).
+
+Example: FSDP 4 x TP 2 of the debug model, ranks 0 and 7:
+  python -m scripts.preflight --world-size 8 --job.config_file debug_model.toml \\
+      --parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.preflight", description=__doc__.split("\n\n")[1],
-                                     allow_abbrev=False, epilog="Every other argument is a train.py config argument.")
-    parser.add_argument("--world-size", type=positive_int, required=True, help="processes of the job")
+                                     allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG)
+    parser.add_argument("--world-size", type=positive_int, required=True, help="processes of the job (required)")
     parser.add_argument("--ranks", help="comma-separated ranks to check (default: the first and the last)")
     parser.add_argument("--cluster", default="h100",
-                        help="h100, h200, or a TOML file of changes to one (scripts/preflight/predict.py's Cluster)")
+                        help="h100, h200, or a TOML file of changes to one (scripts/preflight/predict.py's Cluster; "
+                             "default h100)")
     args, config_args = parser.parse_known_args(argv)
     try:
         config = load_config(config_args, model_config_class)
