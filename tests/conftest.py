@@ -302,9 +302,9 @@ def _launch_runs(nproc: int, runs: dict[str, list[str]], timeout: int, forks: Pa
     return problems
 
 
-FIRST = "test_docs_run_in_order.py"
-"""The suite's longest test (a third of its time): run first, so that under pytest-xdist the other worker runs
-the rest meanwhile instead of waiting for it at the end."""
+FIRST = ("test_docs_run_in_order.py", "test_docs_run_in_order_lane_2.py")
+"""The two lanes of the documented commands, a third of the suite's time: first, one on each pytest-xdist worker, so
+that the workers share them and then run the rest, rather than one waiting for them at the end."""
 
 
 def pytest_sessionstart(session):
@@ -363,7 +363,7 @@ def pytest_collection_modifyitems(config, items):
     """The FIRST test first; cuda-marked tests skip cleanly on a machine without a CUDA GPU."""
     import torch
 
-    items.sort(key=lambda item: item.path.name != FIRST)
+    items.sort(key=lambda item: item.path.name not in FIRST)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

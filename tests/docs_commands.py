@@ -21,10 +21,10 @@ A command's trailing comment says what it must do (the convention docs/getting_s
 
 Each runs with bash in one scratch clone of the repository (the files git sees: tracked, and untracked but not
 ignored), with this Python's bin/ first on PATH and OMP_NUM_THREADS=1. README.md and docs/getting_started.md run
-first, in order; then the other documents, each whole and in order, LANES at once (the cores would otherwise idle
-through the commands' single-threaded start-up and their waits; the other pytest-xdist worker shares them), the
-longest first. A command thus finds what README.md, getting_started.md and the earlier commands of its own
-document wrote, as a reader who follows the README and then any page finds it; the documents keep to their own
+first, in order; then the other documents, each whole and in order, several at once, the longest first: each
+lane (a thread here, LANES of them; in the suite, one test on each pytest-xdist worker) takes the next document
+nobody has taken (run_share). A command thus finds what README.md, getting_started.md and the earlier commands of
+its own document wrote, as a reader who follows the README and then any page finds it; the documents keep to their own
 dump folders (`shared_folders`, a test). The clone is deleted when every command did as documented.
 Training commands run exactly as typed: the documents give their examples few steps and a folder of their own.
 What the runner changes, and why:
@@ -323,14 +323,24 @@ def by_document(commands: list[Command]) -> dict[str, list[Command]]:
     return dict(sorted(documents.items(), key=lambda item: -sum(not c.skip for c in item[1])))
 
 
-def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
-                 progress: Callable[[Outcome], None] = lambda outcome: None, keep: bool = False) -> list[Outcome]:
-    """Copy `repo` to `scratch`/clone and run its documented commands there (the module's docstring says in which
-    order); one Outcome each, in the documents' order. `progress` sees each as it ends. The clone goes when every
-    command did as documented, unless `keep`."""
-    clone = scratch / "clone"
-    copy_repository(repo, clone)
-    commands = read_commands(clone)
+def _claim(scratch: Path, name: str) -> bool:
+    """Whether this caller is the first to ask for `name` (a file created once, across processes)."""
+    (scratch / "claims").mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(scratch / "claims" / name.replace("/", "_"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def run_share(repo: Path, scratch: Path, progress: Callable[[Outcome], None] = lambda outcome: None,
+              first_timeout: float = 3600) -> list[Outcome]:
+    """Run documents of `repo` in the clone `scratch`/clone that several lanes share, threads or processes (the
+    pytest-xdist workers, tests/test_docs_run_in_order*.py), until none is left; the Outcomes of the commands this
+    lane ran, in the documents' order. The first lane copies the repository and runs README.md and
+    getting_started.md, the others wait for them; then each lane takes the next document nobody took yet, the
+    longest first, and runs it whole. A lane ends when it finds none left."""
+    clone, first_done = scratch / "clone", scratch / "first.done"
     outcomes: dict[Command, Outcome] = {}
 
     def run_in_order(document: list[Command]) -> None:
@@ -338,14 +348,56 @@ def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
             outcomes[command] = run_command(command, clone)
             progress(outcomes[command])
 
-    run_in_order([c for c in commands if c.document in FIRST])
+    if _claim(scratch, "first documents"):
+        try:
+            copy_repository(repo, clone)
+            run_in_order([c for c in read_commands(clone) if c.document in FIRST])
+        finally:
+            first_done.touch()
+    deadline = time.monotonic() + first_timeout
+    while not first_done.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"README.md and getting_started.md did not end in {first_timeout:.0f} s")
+        time.sleep(1)
+    if not clone.is_dir():  # every document was run, and the clone went, before this lane began
+        return []
+    commands = read_commands(clone)
+    for name, document in by_document([c for c in commands if c.document not in FIRST]).items():
+        if _claim(scratch, name):
+            run_in_order(document)
+    return [outcomes[c] for c in commands if c in outcomes]
+
+
+def join_lanes(scratch: Path) -> Path:
+    """Register a lane (its file in `scratch`/lanes), before it takes any document."""
+    (scratch / "lanes").mkdir(parents=True, exist_ok=True)
+    handle, path = tempfile.mkstemp(dir=scratch / "lanes")
+    os.close(handle)
+    return Path(path)
+
+
+def leave_lanes(lane: Path, clean: bool) -> None:
+    """A lane is done; the last one out deletes the clone when no lane found a problem (`clean`: this one's)."""
+    scratch = lane.parent.parent
+    if not clean:
+        (scratch / "kept").touch()
+    lane.unlink()
+    if not any((scratch / "lanes").iterdir()) and not (scratch / "kept").exists():
+        shutil.rmtree(scratch / "clone", ignore_errors=True)
+
+
+def run_commands(repo: Path, scratch: Path, lanes: int = LANES,
+                 progress: Callable[[Outcome], None] = lambda outcome: None, keep: bool = False) -> list[Outcome]:
+    """Every documented command of `repo`, run by `lanes` threads (run_share) in `scratch`/clone; one Outcome each,
+    in the documents' order. `progress` sees each as it ends. The clone goes when every command did as
+    documented, unless `keep`."""
+    joined = [join_lanes(scratch) for _ in range(lanes)]
     with ThreadPoolExecutor(lanes) as pool:
-        others = by_document([c for c in commands if c.document not in FIRST]).values()
-        for done in [pool.submit(run_in_order, document) for document in others]:
-            done.result()
-    if not keep and not any(o.problem for o in outcomes.values()):
-        shutil.rmtree(clone, ignore_errors=True)
-    return [outcomes[c] for c in commands]
+        shares = list(pool.map(lambda _: run_share(repo, scratch, progress), range(lanes)))
+    outcomes = {o.command: o for share in shares for o in share}
+    for lane in joined:
+        leave_lanes(lane, clean=not keep and not any(o.problem for o in outcomes.values()))
+    return [outcomes[c] for c in read_commands(repo) if c in outcomes] if outcomes else []
 
 
 def shared_folders(commands: list[Command]) -> dict[str, list[str]]:

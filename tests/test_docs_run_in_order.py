@@ -1,16 +1,28 @@
 """Every command of README.md and docs/*.md runs as documented and as typed, in order, in one scratch clone of
-the repository; tests/docs_commands.py states the rules. The slowest test of the suite: most of its time is the
-commands' processes' start-up, and the README's quick start (200 steps); its report (kept when it fails) gives each
-command's CPU seconds."""
+the repository; tests/docs_commands.py states the rules. The slowest work of the suite, in two lanes that share it,
+one on each pytest-xdist worker (this file and tests/test_docs_run_in_order_lane_2.py): most of its time is the
+commands' processes' start-up, and the README's quick start (200 steps); a lane's report (kept when it fails) gives
+each of its commands' CPU seconds."""
 
+import os
 import re
-import shutil
 import subprocess
+from pathlib import Path
 
 import docs_commands
 import pytest
 from conftest import REPO, metric_lines
-from docs_commands import TIMED_OUT, read_commands, report, run, run_commands, shared_folders
+from docs_commands import (
+    TIMED_OUT,
+    join_lanes,
+    leave_lanes,
+    read_commands,
+    report,
+    run,
+    run_commands,
+    run_share,
+    shared_folders,
+)
 
 
 def describe(outcome) -> str:
@@ -18,22 +30,44 @@ def describe(outcome) -> str:
     return f"{outcome.command.where}: {outcome.ran}\n{outcome.problem}; the last 30 lines:\n{tail}"
 
 
+def shared_scratch(tmp_path_factory) -> Path:
+    """The folder this session's lanes share: under pytest-xdist, beside the workers' own temporary folders."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "documented_commands"
+
+
+def run_a_lane(tmp_path_factory, tmp_path) -> None:
+    """Run documents in the session's shared clone until none is left (docs_commands.run_share), and check what this
+    lane ran; the lane that ran the README checks its quick start as README.md and getting_started.md describe it."""
+    scratch = shared_scratch(tmp_path_factory)
+    lane, clean = join_lanes(scratch), False
+    try:
+        outcomes = run_share(REPO, scratch)
+        (tmp_path / "report.md").write_text(report(outcomes))
+        failed = [o for o in outcomes if o.problem]
+        assert not failed, f"{len(failed)} command(s) not as documented (report: {tmp_path / 'report.md'}):\n\n" + (
+            "\n\n".join(describe(o) for o in failed))
+        quick_start = next((o for o in outcomes if o.command.document == "README.md" and o.ran == "./run_train.sh"),
+                           None)
+        if quick_start is not None:
+            check_the_quick_start(quick_start, scratch / "clone" / "outputs" / "debug_model")
+        clean = True
+    finally:
+        leave_lanes(lane, clean)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_the_documented_commands_run_in_order(tmp_path):
-    outcomes = run_commands(REPO, tmp_path / "repo", keep=True)
-    (tmp_path / "report.md").write_text(report(outcomes))
-    assert [o for o in outcomes if o.ran], "no documented command ran"
-    failed = [o for o in outcomes if o.problem]
-    assert not failed, f"{len(failed)} command(s) not as documented (report: {tmp_path / 'report.md'}):\n\n" + (
-        "\n\n".join(describe(o) for o in failed))
-    # The README's quick start, as README.md and docs/getting_started.md describe it.
-    quick_start = next(o for o in outcomes if o.command.document == "README.md" and o.ran == "./run_train.sh")
+def test_the_documented_commands_run_in_order(tmp_path_factory, tmp_path):
+    """A lane of two (the other: tests/test_docs_run_in_order_lane_2.py), one on each pytest-xdist worker."""
+    run_a_lane(tmp_path_factory, tmp_path)
+
+
+def check_the_quick_start(quick_start, run: Path) -> None:
     losses = [float(loss) for loss in re.findall(r"step +\d+ +loss +([\d.]+)", quick_start.output)]
     assert len(losses) == 200 and round(losses[0], 1) == 8.8, losses[:3]  # "from 8.8 to about 5.5 (the mean of
     assert sum(losses[-10:]) / 10 == pytest.approx(5.5, abs=0.15), losses[-10:]  # the last 10 steps)"
     assert "no MFU on cpu" in quick_start.output and " mfu " not in quick_start.output  # "a CPU run logs none"
-    run = tmp_path / "repo" / "clone" / "outputs" / "debug_model"
     metrics = metric_lines(run)
     assert [m["step"] for m in metrics] == list(range(1, 201)) and all(m["mfu"] is None for m in metrics)
     # getting_started.md's list of what metrics.jsonl holds is what the code writes, and the step line quoted in
@@ -50,7 +84,6 @@ def test_the_documented_commands_run_in_order(tmp_path):
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-100", "step-200"]
     assert quick_start.output.rstrip().endswith("plot of the run: outputs/debug_model/metrics.png")
     assert (run / "metrics.png").read_bytes().startswith(b"\x89PNG")
-    shutil.rmtree(tmp_path / "repo" / "clone")  # a gigabyte of checkpoints
 
 
 def step_line_fields(line: str) -> dict:
