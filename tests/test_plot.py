@@ -33,3 +33,16 @@ def test_several_runs_go_on_one_png_and_a_folder_without_steps_is_named(tmp_path
     assert main([str(tmp_path / "empty")]) == 2
     with pytest.raises(SystemExit):  # several runs need a file to go to
         main([str(a), str(b)])
+
+
+def test_the_launcher_draws_a_finished_run_and_a_picture_it_cannot_write_costs_one_line(tmp_path, capsys):
+    from components.run.launch import picture_of_the_run
+
+    run = fake_run(tmp_path / "run", [3.0, 2.0])
+    launch = ["--standalone", "--nproc_per_node", "2", "train.py", "--job.dump_folder", str(run)]
+    picture_of_the_run(launch)
+    assert capsys.readouterr().err == f"plot of the run: {run / 'metrics.png'}\n"
+    (run / "metrics.png").unlink()
+    (run / "metrics.png").mkdir()  # in the way of the picture
+    picture_of_the_run(launch)
+    assert capsys.readouterr().err.startswith("no plot of the run: IsADirectoryError: ")

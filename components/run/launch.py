@@ -244,8 +244,13 @@ def picture_of_the_run(argv: list[str]) -> None:
             folder = folder / f"replica_{read_key(args, 'fault_tolerance.replica_id')}"
     except (ConfigError, OSError, ValueError):
         return
-    if (folder / "metrics.jsonl").is_file() and plot_runs([folder], folder / "metrics.png"):
-        print(f"plot of the run: {folder / 'metrics.png'}", file=sys.stderr, flush=True)
+    if not (folder / "metrics.jsonl").is_file():
+        return
+    try:
+        if plot_runs([folder], folder / "metrics.png"):
+            print(f"plot of the run: {folder / 'metrics.png'}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 -- the run is done: its status stands whatever the drawing meets
+        print(f"no plot of the run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
