@@ -132,7 +132,9 @@ def test_published_shapes_and_their_configs():
         with torch.device("meta"):
             model = deepseek_v3.Transformer(deepseek_v3.flavors[name])
         counts[name] = sum(p.numel() for p in model.parameters())
-    assert counts == {"16B": 15_706_484_224, "671B": 671_026_404_352}  # as transformers counts them
+    with torch.device("meta"):
+        counts["kimi_k2"] = sum(p.numel() for p in deepseek_v3.Transformer(deepseek_v3.flavors["kimi_k2"]).parameters())
+    assert counts == {"16B": 15_706_484_224, "671B": 671_026_404_352, "kimi_k2": 1_026_408_209_408}
     published = {  # DeepSeek-V3's config.json, as published
         "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
         "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
@@ -149,6 +151,66 @@ def test_published_shapes_and_their_configs():
     assert args == deepseek_v3.flavors["671B"].__class__(**{**vars(deepseek_v3.flavors["671B"]),
                                                                "max_seq_len": 163840})
     assert args.softmax_scale_factor == pytest.approx((0.1 * torch.tensor(40.0).log().item() + 1) ** 2)
+    kimi_k2 = published | {  # Kimi K2's config.json, as released (its fields that differ from DeepSeek-V3's)
+        "model_type": "kimi_k2", "vocab_size": 163840, "num_nextn_predict_layers": 0, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+    }
+    assert deepseek_v3.model_args_from_hf(kimi_k2) == deepseek_v3.flavors["kimi_k2"].__class__(
+        **{**vars(deepseek_v3.flavors["kimi_k2"]), "max_seq_len": 131072})
+
+
+# Kimi K2's shape, small: its flavor's YaRN (beta 1 and 1 over RoPE base 50000) and routing (one group, scale 2.827,
+# one dense block), the dimensions cut; as an HF config.json the way its release writes it.
+KIMI = ["--job.config_file", "debug_deepseek_v3.toml", *ON_PACKED, "--model.flavor", "kimi_k2", "--model.n_layers",
+        "3", "--model.dim", "64", "--model.n_heads", "4", "--model.ffn_dim", "128", "--model.q_lora_rank", "48",
+        "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "32", "--model.qk_rope_head_dim", "16",
+        "--model.v_head_dim", "24", "--model.vocab_size", str(VOCAB), "--moe.num_experts", "8", "--moe.top_k", "3",
+        "--moe.hidden_dim", "32"]
+KIMI_HF = SMALL_HF | dict(
+    n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0})
+
+
+def as_kimi_k2_release(folder):
+    """config.json as Kimi K2's release has it: model_type kimi_k2, its auto_map naming DeepSeek-V3's code."""
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "kimi_k2", "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_kimi_k2_s_release_form_imports_and_exports_with_transformers_logits(tmp_path):
+    """A random DeepseekV3ForCausalLM of Kimi K2's shape (small) in the release's form reads into the kimi_k2 flavor
+    with transformers' logits, through load_hf_model and the converter; exported, it is a deepseek_v3 folder
+    (the model_type transformers knows) with the same logits, and HF -> ingot -> HF gives back its tensors."""
+    source = hf_deepseek_v3(tmp_path / "hf", KIMI_HF)
+    reference = transformers_logits(source, token_ids())
+    as_kimi_k2_release(source)
+    with torch.no_grad():
+        loaded = load_hf_model(source)(token_ids())
+        assert report("HF Kimi K2 (small) -> ingot, load_hf_model", loaded, reference) < 1e-5
+    run_hf("import", *KIMI, "--hf", source, "--output", tmp_path / "dcp")
+    with torch.no_grad():
+        imported = ingot_model(KIMI, tmp_path / "dcp")
+        assert report("HF Kimi K2 (small) -> ingot, import", imported(token_ids()), reference) < 1e-5
+        # The flavor's own settings count: the debug model's YaRN betas (32 and 1), routing scale and groups.
+        other = ingot_model([*KIMI, "--model.flavor", "debugmodel", "--model.rope_factor", "32", "--model.rope_theta",
+                             "50000"], tmp_path / "dcp")
+        assert relative_error(other(token_ids()), reference) > 1e-3
+    run_hf("export", *KIMI, "--checkpoint", tmp_path / "dcp", "--output", tmp_path / "back")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["model_type"], config["routed_scaling_factor"], config["rope_scaling"]["beta_fast"]) == (
+        "deepseek_v3", 2.827, 1.0)
+    assert report("ingot Kimi K2 (small) -> HF export", transformers_logits(tmp_path / "back", token_ids()),
+                  reference) < 1e-5
+    before, after = read_hf_weights(source), read_hf_weights(tmp_path / "back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_model_without_a_hugging_face_form_is_refused_in_one_line(tmp_path):

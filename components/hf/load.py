@@ -88,7 +88,7 @@ def check_hf_config(package: ModuleType, args, hf: dict, source: str | Path) -> 
     """Fail, naming the field and the ingot config key to change, unless the HF config describes the
     same model as `args` (first of all, one of the same model_type)."""
     ours = package.hf_config(args)
-    if hf.get("model_type") != ours["model_type"]:
+    if hf.get("model_type") not in (ours["model_type"], *package.HF_MODEL_TYPES):
         raise ConfigError(
             f"the Hugging Face model in {source} has model_type = {json.dumps(hf['model_type'])} but the ingot "
             f"config gives {json.dumps(ours['model_type'])}: set model.name to the family that reads it (its "

@@ -7,14 +7,10 @@ from components.config import Config
 from models.decoder_config import flavor_args
 from models.deepseek_v3.config import ModelConfig
 from models.deepseek_v3.flavors import flavors
-from models.deepseek_v3.hf_mapping import HF_CONFIG_KEYS, from_hf, hf_config, model_args_from_hf, to_hf
+from models.deepseek_v3.hf_mapping import HF_CONFIG_KEYS, HF_MODEL_TYPES, from_hf, hf_config, model_args_from_hf, to_hf
 from models.deepseek_v3.model import ModelArgs, Transformer
 from models.deepseek_v3.parallelize import parallelize_deepseek_v3 as parallelize, tensor_parallel_plan
 from models.moe import moe_args_from_config
-
-HF_MODEL_TYPES = ("deepseek_v3",)
-"""The Hugging Face model_types whose folders this family reads when nothing else names the family
-(components/hf/load.py)."""
 
 # [model] keys that, when set, replace the flavor's value.
 OVERRIDABLE = ("dim", "n_layers", "n_heads", "ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",

@@ -25,6 +25,15 @@ flavors = {
         moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, num_shared_experts=1, score_func="sigmoid",
                     norm_topk_prob=True, route_scale=2.5, n_groups=8, topk_groups=4),
     ),
+    # Kimi K2 (Moonshot AI's release, model_type kimi_k2): DeepSeek-V3's architecture with 384 experts, 64 heads, one
+    # dense block and one group; RoPE base 50000, YaRN to 128K tokens.
+    "kimi_k2": ModelArgs(
+        dim=7168, n_layers=61, n_heads=64, ffn_dim=18432, vocab_size=163840, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_dense_layers=1, rope_theta=50000.0,
+        rope_factor=32.0, rope_beta_fast=1.0, rope_beta_slow=1.0,
+        moe=MoEArgs(num_experts=384, top_k=8, hidden_dim=2048, num_shared_experts=1, score_func="sigmoid",
+                    norm_topk_prob=True, route_scale=2.827, n_groups=1, topk_groups=1),
+    ),
 }
 """The published ones keep YaRN's context extension as their config.json states it (factor 40 over 4096 tokens);
 `--model.rope_factor 1` trains with plain RoPE, as DeepSeek pretrained before extending."""

@@ -48,6 +48,11 @@ _IN_BLOCK = {
 }
 NAMES = HFNames("DeepSeek-V3", _TOP_LEVEL, _IN_BLOCK, blocks="layers")
 
+HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+"""The Hugging Face model_types whose folders this family reads (components/hf/load.py): DeepSeek-V3's, and Kimi K2's,
+whose release is a DeepseekV3ForCausalLM under a model_type of its own (its config.json's auto_map names DeepSeek-V3's
+configuration and modeling code). An export writes deepseek_v3, the model_type transformers itself knows."""
+
 HF_CONFIG_KEYS = {
     "model_type": "model.name",
     "vocab_size": "model.vocab_size",
@@ -237,8 +242,8 @@ def model_args_from_hf(config: dict) -> ModelArgs:
     """ModelArgs of the ingot model equal to the DeepseekV3ForCausalLM of an HF config.json (transformers'
     defaults for absent fields). Where the shape is one of ingot's flavors, that flavor's args are returned, with
     the vocabulary and context of the checkpoint."""
-    if config.get("model_type") != "deepseek_v3":
-        raise ValueError(f"model_type {config.get('model_type')!r} is not deepseek_v3")
+    if config.get("model_type") not in HF_MODEL_TYPES:
+        raise ValueError(f"model_type {config.get('model_type')!r} is not one of {', '.join(HF_MODEL_TYPES)}")
     if config.get("hidden_act", "silu") not in ACTIVATIONS or config.get("attention_bias") or \
             config.get("scoring_func", "sigmoid") != "sigmoid":
         raise ValueError(f"only DeepSeek-V3 models with no attention bias, sigmoid routing and one of the activations "
