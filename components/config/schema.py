@@ -111,6 +111,8 @@ class Optimizer:
     muon_ns_dtype: str = "bfloat16"
     """dtype of the Newton-Schulz iteration and of the all-gather of sharded updates that precedes it;
     float32 is exact across layouts (CPU tests), bfloat16 half the traffic and faster on GPUs."""
+    qk_clip_threshold: float = 0.0
+    """QK-clip (MuonClip's): scale back the q and k projections of heads whose largest logit passed this; 0: off."""
 
 
 @dataclass
@@ -304,6 +306,8 @@ class Metrics:
     peak_flops: float = 0.0
     """Peak dense FLOP/s of one device for MFU (e.g. 989e12); 0 = from a table of known GPUs by the
     training dtype; CPUs and other GPUs then log no MFU."""
+    max_attention_logit: bool = False
+    """Log each attention layer's largest pre-softmax logit (max_logit/<layer>); always with QK-clip."""
     per_layer: bool = False
     """Every log_freq steps, log each block's weight norm, grad norm and output RMS / max."""
     straggler_factor: float = 1.5
@@ -472,7 +476,8 @@ RANGES = {
     "parallelism.pipeline_parallel_microbatch_size": COUNT, "parallelism.pipeline_parallel_layers_per_stage": COUNT,
     "checkpoint.interval": COUNT, "checkpoint.keep_latest_k": Range(0, note="0: keep all"),
     "checkpoint.keep_damaged": NON_NEGATIVE, "validation.freq": COUNT, "validation.steps": COUNT,
-    "metrics.log_freq": COUNT, "metrics.peak_flops": Range(0, note="0: from the table of known GPUs"),
+    "optimizer.qk_clip_threshold": NON_NEGATIVE, "metrics.log_freq": COUNT,
+    "metrics.peak_flops": Range(0, note="0: from the table of known GPUs"),
     "metrics.straggler_factor": Range(1, open_low=True, also=(0,), note="0: name none"),
     "evaluation.freq": COUNT, "evaluation.limit": Range(0, note="0: all examples"),
     "profiling.profile_freq": COUNT, "profiling.profiler_warmup": NON_NEGATIVE, "profiling.profiler_active": COUNT,

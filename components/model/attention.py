@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
@@ -87,6 +88,28 @@ class AttentionLayer(Protocol):
     model's document_mask built for this layer's attention_mask (None without document masking). A layer with
     learned sink logits (gpt-oss) passes them as `sink_logits=` (heads,), one per head it holds (`with_sink_logits`).
     Context parallelism replaces it by its method's attention, which takes the same arguments."""
+
+
+class ClippableAttention(Protocol):
+    """An attention layer whose heads QK-clip can scale back (components/training/qk_clip.py, the optimizer's
+    qk_clip_threshold), found by this method. A layer whose queries and keys a norm follows (QK-norm) must not
+    declare it: the norm would undo the scaling."""
+
+    def scale_query_key(self, factors: torch.Tensor) -> None:
+        """Scale the query and key projections so that each head's pre-softmax logits scale by its factor (<= 1):
+        `factors` (heads,) covers all the model's heads of this layer; a tensor-parallel rank scales the rows of
+        those it holds (`scale_rows`)."""
+
+
+def scale_rows(weight: nn.Parameter, factors: torch.Tensor) -> None:
+    """weight[i, :] *= factors[i], `factors` over all of weight's rows: a DTensor weight (FSDP, TP or both shard its
+    rows) scales the rows it holds, DTensor matching the replicated factors to its shards without communicating."""
+    column = factors.to(weight.dtype)[:, None]
+    if isinstance(weight, DTensor):
+        column = DTensor.from_local(column, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
+                                    run_check=False)
+    with torch.no_grad():
+        weight.mul_(column)
 
 
 def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, apply_rope, causal_attention
+from components.model.attention import CAUSAL, apply_rope, causal_attention, scale_rows
 from components.training.loss import MultiTokenLogits
 from models.decoder import Decoder, DecoderBlock
 from models.moe import MoEArgs, dense_or_moe
@@ -182,6 +182,19 @@ class Attention(nn.Module):
         self.kv_norm.reset_parameters()
         if self.args.q_lora_rank:
             self.q_norm.reset_parameters()
+
+    def scale_query_key(self, factors: torch.Tensor) -> None:
+        """QK-clip (components/model/attention.py's ClippableAttention), as Kimi K2's MuonClip does under MLA: each
+        head's own query and key parts (q_nope, k_nope) take the square root of its factor, its rotated query part
+        the whole factor; the rotated key part, which every head shares, is left alone."""
+        args = self.args
+        root = factors.sqrt()[:, None]
+        query = torch.cat([root.expand(-1, args.qk_nope_head_dim), factors[:, None].expand(-1, args.qk_rope_head_dim)],
+                          dim=1)
+        key_value = torch.cat([root.expand(-1, args.qk_nope_head_dim), torch.ones_like(root).expand(
+            -1, args.v_head_dim)], dim=1)
+        scale_rows((self.wq_b if args.q_lora_rank else self.wq).weight, query.flatten())
+        scale_rows(self.wkv_b.weight, key_value.flatten())
 
     def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.args.rope_interleave:  # the pairs (x0, x1), (x2, x3)... as rotate-half pairs, as transformers does
