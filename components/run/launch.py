@@ -159,9 +159,9 @@ def _read_report(path: str) -> tuple[int, str | dict] | None:
 
 
 def _not_replaced(record: logging.LogRecord) -> bool:
-    """False for torchrun's log lines that the launcher's report replaces: the first failure it noticed, and each
-    worker it then stops."""
-    return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+    """False for torchrun's log lines that the launcher's report or the workers' own lines replace: the first
+    failure it noticed, each worker it then stops, and a stop signal it passes on (the workers say what they do)."""
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process", "Received %s death signal"))
 
 
 def restarts_allowed(argv: list[str]) -> int:
@@ -269,7 +269,8 @@ def launch_with_restarts(argv: list[str]) -> int:
     the run's last checkpoint. Never after bad input (2), the step guard (3), a full disk (74), a preemption (75) or
     a signal to the launcher: those a person or the scheduler decides on."""
     os.environ[LAUNCHED] = "1"
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_replaced)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_not_replaced)
     restarts = restarts_allowed(argv)
     for attempt in range(restarts + 1):
         status, lines, signalled = launch_once(argv)
