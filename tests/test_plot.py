@@ -35,14 +35,19 @@ def test_several_runs_go_on_one_png_and_a_folder_without_steps_is_named(tmp_path
         main([str(a), str(b)])
 
 
-def test_the_launcher_draws_a_finished_run_and_a_picture_it_cannot_write_costs_one_line(tmp_path, capsys):
-    from components.run.launch import picture_of_the_run
+def test_the_launcher_finds_the_run_s_folder_and_a_picture_it_cannot_write_costs_one_line(tmp_path, capsys):
+    from components.run.launch import logged, picture_of_the_run, run_folder
 
     run = fake_run(tmp_path / "run", [3.0, 2.0])
     launch = ["--standalone", "--nproc_per_node", "2", "train.py", "--job.dump_folder", str(run)]
-    picture_of_the_run(launch)
+    assert run_folder(launch) == run and logged(run) == ((run / "metrics.jsonl").stat().st_size,
+                                                         (run / "metrics.jsonl").stat().st_mtime_ns)
+    assert run_folder([*launch, "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "1"]) == \
+        run / "replica_1"
+    assert logged(tmp_path / "absent") is None and logged(None) is None
+    picture_of_the_run(run)
     assert capsys.readouterr().err == f"plot of the run: {run / 'metrics.png'}\n"
     (run / "metrics.png").unlink()
     (run / "metrics.png").mkdir()  # in the way of the picture
-    picture_of_the_run(launch)
+    picture_of_the_run(run)
     assert capsys.readouterr().err.startswith("no plot of the run: IsADirectoryError: ")

@@ -104,8 +104,9 @@ def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_
     routed = "all_to_all_single over ep"
     assert {k: v for k, v in collectives(fake).items() if k != routed} == {k: v for k, v in real.items() if k != routed}
     # 4 MoE blocks, each sending this rank's slots (2 x 64 tokens x 2 choices, of 256 fp32 values) to the experts'
-    # ranks and back, forward and backward: 16 all-to-alls, each putting in all of them.
-    assert collectives(fake)[routed] == [16, 16 * (2 * 64 * 2) * 256 * 4, 2]
+    # ranks and back, forward and backward: 16 all-to-alls, each putting in all of them; and before each block's, the
+    # exchange of the slot counts (c10d's alltoall_base, the same operation: 8 experts' int64 counts), 4 more.
+    assert collectives(fake)[routed] == [16 + 4, 16 * (2 * 64 * 2) * 256 * 4 + 4 * 8 * 8, 2]
 
 
 @pytest.mark.parametrize("config_args, world_size", [

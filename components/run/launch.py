@@ -229,13 +229,12 @@ def with_process_count(argv: list[str]) -> list[str]:
     return ["--nproc_per_node", str(max(torch.cuda.device_count(), 1)), *argv]
 
 
-def picture_of_the_run(argv: list[str]) -> None:
-    """<dump_folder>/metrics.png of the run torchrun's arguments start (components/metrics/plot.py), where this node
-    holds its metrics.jsonl; a replica group's in its own folder."""
+def run_folder(argv: list[str]) -> Path | None:
+    """The dump folder of the run torchrun's arguments start (a replica group's own, under fault tolerance); None
+    where the arguments do not say (the workers will)."""
     from torch.distributed import run as torchrun
 
     from components.config import ConfigError, read_key
-    from components.metrics.plot import plot_runs
 
     try:
         args = list(torchrun.parse_args(argv).training_script_args)
@@ -243,9 +242,24 @@ def picture_of_the_run(argv: list[str]) -> None:
         if read_key(args, "fault_tolerance.enable"):
             folder = folder / f"replica_{read_key(args, 'fault_tolerance.replica_id')}"
     except (ConfigError, OSError, ValueError):
-        return
-    if not (folder / "metrics.jsonl").is_file():
-        return
+        return None
+    return folder
+
+
+def logged(folder: Path | None) -> tuple[int, int] | None:
+    """The size and modification time of the run's metrics.jsonl, None without one: what a launch that logged a step
+    changes."""
+    try:
+        stat = (folder / "metrics.jsonl").stat()
+    except (OSError, TypeError):
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+def picture_of_the_run(folder: Path) -> None:
+    """<folder>/metrics.png (components/metrics/plot.py), said in one line; a drawing that fails costs one line."""
+    from components.metrics.plot import plot_runs
+
     try:
         if plot_runs([folder], folder / "metrics.png"):
             print(f"plot of the run: {folder / 'metrics.png'}", file=sys.stderr, flush=True)
@@ -254,13 +268,15 @@ def picture_of_the_run(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun (launch_with_restarts), then a picture of the run where it trained (0) or stopped after a checkpoint
-    (75)."""
+    """torchrun (launch_with_restarts), then a picture of the run where this launch logged steps and the run trained
+    to its end (0) or stopped after a checkpoint (75)."""
     hold_stop_signals()  # until torchrun can pass them on to the workers (launch_once): not lost, not fatal
     argv = with_process_count(sys.argv[1:] if argv is None else argv)
+    folder = run_folder(argv)
+    before = logged(folder)
     status = launch_with_restarts(argv)
-    if status in (0, EXIT_PREEMPTED):
-        picture_of_the_run(argv)
+    if status in (0, EXIT_PREEMPTED) and logged(folder) not in (None, before):
+        picture_of_the_run(folder)
     return status
 
 
