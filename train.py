@@ -179,7 +179,7 @@ def train(config: Config, signals: StopSignals) -> int:
                       step_times := StepTimes(config.metrics.straggler_factor, model.pp_group, device)]
     if config.float8.enable and config.float8.precompute_float8_dynamic_scale_for_fsdp:
         step_features.append(Float8ScalePrecompute(model_parts))
-    step_features += attention_logits(config, model_parts, whole_model, model_args.n_heads, mesh, device)  # QK-clip
+    step_features += attention_logits(config, model, whole_model, model_args.n_heads, mesh, device)  # QK-clip
     set_collective_timeout(config.comm.train_timeout_seconds, mesh)
     heartbeat = Heartbeat(config.comm.train_timeout_seconds)  # where this rank is: a hang names who stopped
     batches = heartbeat.reading(prepare_batch(b, device, eos_id, share) for b in step_times.reading(data_hash))

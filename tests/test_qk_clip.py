@@ -2,6 +2,8 @@
 the attention computes, a clipped head's largest logit becomes the threshold and no other changes, and a run
 under each layout clips and logs as one process does."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import TINY, layout, reference_runs, step_figures, tiny_model_args, torchrun_runs
@@ -59,14 +61,15 @@ def test_a_clipped_head_s_largest_logit_becomes_the_threshold_and_the_others_kee
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     names = [name for name, _ in attention_layers(model)]
     feature = AttentionLogits([model], names, heads, 0.0, 0, 1, torch.device("cpu"))
-    with torch.no_grad():
-        model(tokens)
+    model(tokens)  # a training forward: with gradients
     before = {name: values.clone() for name, values in feature.step_max.items()}
     feature.threshold = before[names[0]].median().item()
     figures = feature.after_step(1, torch.tensor(False), log=True)  # the step's maxima, then the clip
     assert figures == {f"max_logit/{name}": values.max().item() for name, values in before.items()}
     with torch.no_grad():
-        model(tokens)
+        model(tokens)  # validation's: not a training forward
+    assert all((values == float("-inf")).all() for values in feature.step_max.values())
+    model(tokens)
     first = names[0]  # the later layers' inputs change with the clip of the earlier ones
     values = before[first]
     torch.testing.assert_close(feature.step_max[first], values.clamp(max=feature.threshold), rtol=1e-5, atol=0)
@@ -81,8 +84,7 @@ def test_a_skipped_step_clips_nothing():
     model.init_weights()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     feature = AttentionLogits([model], [n for n, _ in attention_layers(model)], 4, 1e-3, 0, 1, torch.device("cpu"))
-    with torch.no_grad():
-        model(torch.randint(0, 97, (2, 16)))
+    model(torch.randint(0, 97, (2, 16)))
     feature.after_step(1, torch.tensor(True), log=False)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
@@ -104,7 +106,8 @@ def test_what_qk_clip_cannot_do_yet_is_refused_at_start_up(argv, error):
     with torch.device("meta"):
         model = package.Transformer(args)
     with pytest.raises(ConfigError, match=error):
-        qk_clip.attention_logits(config, [model], model, args.n_heads, OneRank(), torch.device("cpu"))
+        qk_clip.attention_logits(config, SimpleNamespace(parts=[model], pipeline=None), model, args.n_heads,
+                                 OneRank(), torch.device("cpu"))
 
 
 class OneRank:
@@ -164,3 +167,24 @@ def test_every_layout_clips_and_logs_the_largest_logits_of_one_process(name, ref
             assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (name, step, key)
         # (The gradient norm of several processes differs from one's by 1e-4 from the first step, clip or not.)
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-3), (name, step)
+
+
+def test_a_pipeline_step_that_infers_shapes_leaves_out_each_layer_s_placeholder_forward():
+    """torch's shape inference runs a stage first on uninitialized memory past the first stage: not logits of the
+    step (they made a 2-stage run's second step non-finite where that memory held large values)."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(tiny_model_args())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    pipeline = SimpleNamespace(infers_shapes=True)
+    feature = AttentionLogits([model], [n for n, _ in attention_layers(model)], 4, 0.0, 0, 1, torch.device("cpu"),
+                              pipeline)
+    model(torch.randint(0, 97, (2, 16)))  # the placeholder forward of each layer
+    assert all((values == float("-inf")).all() for values in feature.step_max.values())
+    model(torch.randint(0, 97, (2, 16)))  # the step's micro-batch
+    assert all(torch.isfinite(values).all() for values in feature.step_max.values())
+    feature.after_step(1, torch.tensor(False), log=False)
+    pipeline.infers_shapes = False  # the next steps
+    model(torch.randint(0, 97, (2, 16)))
+    assert all(torch.isfinite(values).all() for values in feature.step_max.values())

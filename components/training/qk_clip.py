@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.config import Config, ConfigError
 from components.model.attention import CAUSAL, AttentionMask, ClippableAttention, attention_layers
 from components.model.protocols import provides
+from components.training.model_on_rank import ModelOnRank
 
 QUERY_CHUNK = 1024
 """Queries whose scores are held at once: (batch, heads, 1024, keys) floats."""
@@ -52,10 +53,14 @@ class AttentionLogits:
     """The loop feature: records the largest logits, clips, and reports them (the module docstring)."""
 
     def __init__(self, model_parts: list[nn.Module], layer_names: list[str], n_heads: int, threshold: float,
-                 tp_rank: int, tp_size: int, device: torch.device):
+                 tp_rank: int, tp_size: int, device: torch.device, pipeline=None):
         """`layer_names`: every attention layer of the whole model (its name in the unsplit model), which fixes the
-        rows of the step's maxima on every rank, whatever stage holds it."""
-        self.threshold, self.tp_size = threshold, tp_size
+        rows of the step's maxima on every rank, whatever stage holds it. `pipeline` (parallelisms/pipeline.py's):
+        a step that starts with torch's shape inference runs each stage first on placeholders (uninitialized memory
+        past the first stage), whose logits are left out."""
+        self.threshold, self.tp_size, self.pipeline = threshold, tp_size, pipeline
+        self.seen: set[str] = set()
+        """The layers that ran in this step (a shape-inferring step's first call of each is the placeholder)."""
         self.rows = {name: i for i, name in enumerate(layer_names)}
         self.heads = slice(tp_rank * n_heads // tp_size, (tp_rank + 1) * n_heads // tp_size)
         self.n_heads, self.device = n_heads, device
@@ -63,16 +68,26 @@ class AttentionLogits:
         self.step_max = {name: torch.full((n_heads // tp_size,), float("-inf"), device=device)
                          for name in self.layers}
         for name, layer in self.layers.items():
-            layer.sdpa = self.recording(layer.sdpa, self.step_max[name])
+            layer.sdpa = self.recording(name, layer.sdpa)
 
-    @staticmethod
-    def recording(kernel, step_max: torch.Tensor):
+    def recording(self, name: str, kernel):
+        """`kernel`, taking the logits of a training forward (validation's and evaluation's run without gradients)
+        into the step's maxima."""
+        step_max = self.step_max[name]
+
         def sdpa(q, k, v, mask=None, spec=CAUSAL, **kwargs):
-            torch.maximum(step_max, largest_logits(q, k, mask, spec), out=step_max)
+            if torch.is_grad_enabled() and not self.placeholder(name):
+                torch.maximum(step_max, largest_logits(q, k, mask, spec), out=step_max)
             return kernel(q, k, v, mask, spec, **kwargs)
         return sdpa
 
+    def placeholder(self, name: str) -> bool:
+        first = name not in self.seen
+        self.seen.add(name)
+        return first and self.pipeline is not None and self.pipeline.infers_shapes
+
     def after_step(self, step: int, skipped: torch.Tensor, log: bool) -> dict[str, float]:
+        self.seen.clear()
         maxima = torch.full((len(self.rows), self.n_heads), float("-inf"), device=self.device)
         for name, values in self.step_max.items():
             maxima[self.rows[name], self.heads] = values
@@ -88,8 +103,8 @@ class AttentionLogits:
         return {f"max_logit/{name}": value for name, value in zip(self.rows, maxima.amax(1).tolist())}
 
 
-def attention_logits(config: Config, model_parts: list[nn.Module], whole_model: nn.Module, n_heads: int,
-                     mesh: DeviceMesh, device: torch.device) -> list[AttentionLogits]:
+def attention_logits(config: Config, model: ModelOnRank, whole_model: nn.Module, n_heads: int, mesh: DeviceMesh,
+                     device: torch.device) -> list[AttentionLogits]:
     """The feature where the config asks for it (optimizer.qk_clip_threshold, metrics.max_attention_logit), after
     the refusals the module docstring names; `whole_model`: the model before it was split into pipeline stages."""
     threshold = config.optimizer.qk_clip_threshold
@@ -111,5 +126,5 @@ def attention_logits(config: Config, model_parts: list[nn.Module], whole_model: 
                               "clipped: it declares no scale_query_key (components/model/attention.py's "
                               "ClippableAttention), or a QK-norm would undo the scaling")
     tp = mesh["tp"]
-    return [AttentionLogits(model_parts, [name for name, _ in layers], n_heads, threshold, tp.get_local_rank(),
-                            tp.size(), device)]
+    return [AttentionLogits(model.parts, [name for name, _ in layers], n_heads, threshold, tp.get_local_rank(),
+                            tp.size(), device, model.pipeline)]
