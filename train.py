@@ -74,7 +74,7 @@ from components.training.qk_clip import attention_logits
 from components.training.routing import RoutingTally
 from components.training.step_guard import StepGuard
 from models.families import import_model_package, model_config_class
-from parallelisms.context_parallel import shard_sequence
+from parallelisms.context_parallel import shard_sequence, whole_sequence_logits
 from parallelisms.float8 import Float8ScalePrecompute
 from parallelisms.fsdp import initialize_on_device
 from parallelisms.pipeline import build_pipeline, family_split
@@ -297,6 +297,7 @@ def model_on_rank(model_parts: list[nn.Module], stage_ids: list[int], num_stages
         model_parts, pipeline, loss_fn, loss_parallel=dims.tp > 1,
         pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
         loss_group=dims.loss_mesh.get_group() if dims.dp * dims.cp > 1 else None,
+        cp_largest_logits=whole_sequence_logits(mesh["cp"]) if dims.cp > 1 else None,
     )
 
 

@@ -52,6 +52,7 @@ from components.model.attention import (
     masked_attention,
     visible_keys,
 )
+from components.training.qk_clip import largest_logits
 from parallelisms.context_parallel_documents import (
     ChunkFacts,
     LastChunkFacts,
@@ -63,7 +64,7 @@ from parallelisms.context_parallel_documents import (
     ring_documents,
     take,
 )
-from parallelisms.ring_attention import ring_attention
+from parallelisms.ring_attention import Ring, ring_attention
 from parallelisms.sequence_mixers import carry_over_context
 from parallelisms.sequence_shares import heads_for_sequence, rank_order, sequence_for_heads, zigzag_positions
 
@@ -318,3 +319,36 @@ def attach_context_parallel(model: nn.Module, positions: Callable, document_mask
     model.document_mask = document_mask
     for _, layer in attention_layers(model):
         layer.sdpa = attention(layer)
+
+
+def whole_sequence_logits(cp_mesh: DeviceMesh) -> Callable:
+    """`sequence_largest_logits` over the ring of `cp_mesh`'s ranks, run eagerly (its sends cannot be traced)."""
+    return torch.compiler.disable(partial(sequence_largest_logits, ring=Ring(cp_mesh)))
+
+
+def sequence_largest_logits(q: torch.Tensor, k: torch.Tensor, mask: ShardedDocuments | None = None,
+                            spec: AttentionMask = CAUSAL, *, ring: Ring) -> torch.Tensor:
+    """(heads,): the largest pre-softmax logit of each head of this rank's queries against the keys of the whole
+    sequence they see under `spec` (in their documents given the `mask` of any method), whatever the method: each
+    rank's keys travel the ring of context-parallel ranks in turn, so that no rank holds more than two shares of
+    them. q, k: this rank's share (batch, heads, local_seq, head_dim), as the method's attention gets them."""
+    if mask is None:
+        seq = q.shape[2] * ring.size
+        document_ids, positions = None, [zigzag_positions(seq, ring.size, r).to(q.device) for r in range(ring.size)]
+    else:
+        document_ids, positions = mask.document_ids, mask.shares.unbind(1)
+    mine = positions[ring.rank]
+    keys, largest = k.detach().contiguous(), None
+    for step in range(ring.size):
+        pending = ring.start(keys) if step < ring.size - 1 else None
+        theirs = positions[(ring.rank - step) % ring.size]
+
+        def visible(rows: slice) -> torch.Tensor:
+            allowed = visible_keys(document_ids, mine[..., rows], theirs, spec)
+            return allowed if document_ids is None else allowed[:, None]
+
+        logits = largest_logits(q, keys, visible)
+        largest = logits if largest is None else torch.maximum(largest, logits)
+        if pending is not None:
+            keys = ring.finish(pending)
+    return largest

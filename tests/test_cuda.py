@@ -132,6 +132,21 @@ def test_flex_document_masking_matches_the_dense_mask_forward_and_backward(kv_he
         assert relative_error(got, expected) < 3e-2, (name, relative_error(got, expected))
 
 
+def test_the_largest_logit_under_flex_attention_s_block_mask_is_that_of_the_dense_mask():
+    """QK-clip's measure (components/training/qk_clip.py) on CUDA's document masks, FlexAttention's BlockMask, whose
+    mask_mod it asks about the rows it measures, and in bf16 (the product in the inputs' precision)."""
+    from components.training.qk_clip import layer_logits
+
+    ids = torch.arange(3).repeat_interleave(torch.tensor([100, 30, 126]))[None].expand(2, -1).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(2, heads, 256, 64, device="cuda", generator=generator) for heads in (8, 2))
+    block_mask = document_mask(ids)
+    assert isinstance(block_mask, BlockMask)
+    expected = layer_logits(q, k, document_mask(ids, flex=False))
+    torch.testing.assert_close(layer_logits(q, k, block_mask), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(layer_logits(q.bfloat16(), k.bfloat16(), block_mask), expected, rtol=1e-2, atol=0)
+
+
 def every_third_key(q_idx, kv_idx):
     return (q_idx - kv_idx) % 3 != 1
 
@@ -338,6 +353,13 @@ def test_compiled_blocks_match_eager_losses(run, masking):
     """torch.compile of every block (with document masking: around the compiled FlexAttention, which
     the eager run uses too) gives eager's losses up to bf16 rounding."""
     assert_same_curve(run(*masking, *COMPILE), run(*masking), BF16_NOISE)
+
+
+def test_qk_clip_trains_compiled_under_flex_document_masking_and_logs_each_layer_s_largest_logit(run):
+    records = run(*DOCUMENT_MASKING, *COMPILE, "--optimizer.qk_clip_threshold", "20")
+    assert_trains(records)
+    logits = [[value for key, value in r.items() if key.startswith("max_logit/")] for r in records]
+    assert all(len(row) == len(logits[0]) > 0 and all(math.isfinite(v) and v > 0 for v in row) for row in logits)
 
 
 def test_fsdp_cpu_offload_matches_the_device_run_with_less_gpu_memory(tmp_path):

@@ -2,6 +2,7 @@
 the attention computes, a clipped head's largest logit becomes the threshold and no other changes, and a run
 under each layout clips and logs as one process does."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,9 @@ from conftest import TINY, layout, reference_runs, step_figures, tiny_model_args
 import models.deepseek_v3 as deepseek_v3
 from components.config import ConfigError
 from components.model.attention import CAUSAL, AttentionMask, attention_layers, document_mask
-from components.training.qk_clip import AttentionLogits, largest_logits
+from components.training.qk_clip import AttentionLogits, layer_logits
 from models.llama3 import Transformer
+from parallelisms.sequence_shares import zigzag_positions
 
 THRESHOLD = 0.25  # below the tiny models' largest logits of their first steps (0.28 to 0.6): the clip acts
 
@@ -23,19 +25,73 @@ def brute_force(q, k, allowed):
     return scores.amax(dim=(0, 2, 3))
 
 
-@pytest.mark.parametrize("spec", [CAUSAL, AttentionMask(window=5), AttentionMask(window=4, sinks=2)],
-                         ids=["causal", "window", "window_sinks"])
+SPECS = [CAUSAL, AttentionMask(window=5), AttentionMask(window=4, sinks=2)]
+EXACT = {"rtol": 1e-6, "atol": 0}  # chunked matmuls, other summation orders
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["causal", "window", "window_sinks"])
 def test_the_largest_logit_is_that_of_the_scores_the_mask_lets_each_query_see(spec, monkeypatch):
-    monkeypatch.setattr("components.training.qk_clip.QUERY_CHUNK", 7)  # several chunks, the last one short
+    """Under the layer's declared mask, a boolean document mask and FlexAttention's (CUDA's), several rows at once."""
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 19, 8, generator=generator), torch.randn(2, 2, 19, 8, generator=generator)
+    monkeypatch.setattr("components.training.qk_clip.SCORES_AT_ONCE", 2 * 4 * 19 * 7)  # by 7 rows, the last short
     positions = torch.arange(19)
-    exact = {"rtol": 1e-6, "atol": 0}  # chunked matmuls, other summation orders
-    torch.testing.assert_close(largest_logits(q, k, spec=spec),
-                               brute_force(q, k, spec.allows(positions[:, None], positions[None])), **exact)
+    torch.testing.assert_close(layer_logits(q, k, spec=spec),
+                               brute_force(q, k, spec.allows(positions[:, None], positions[None])), **EXACT)
     documents = torch.tensor([[0] * 6 + [1] * 13, [0] * 11 + [1] * 8])
     mask = document_mask(documents, spec, flex=False)
-    torch.testing.assert_close(largest_logits(q, k, mask, spec), brute_force(q, k, mask), **exact)
+    torch.testing.assert_close(layer_logits(q, k, mask, spec), brute_force(q, k, mask), **EXACT)
+    torch.testing.assert_close(layer_logits(q, k, document_mask(documents, spec, flex=True), spec),
+                               brute_force(q, k, mask), **EXACT)
+
+
+class KeysOfTheRing:
+    """parallelisms/ring_attention.py's Ring for one rank of several, in one process: what it receives at each
+    turn is the share of keys of the rank before the last one heard from."""
+
+    def __init__(self, rank: int, shares: list[torch.Tensor]):
+        self.rank, self.size, self.shares, self.turn = rank, len(shares), shares, 0
+
+    def start(self, tensor: torch.Tensor, tag: int = 0):
+        assert torch.equal(tensor, self.shares[(self.rank - self.turn) % self.size]), "it sends what it holds"
+        self.turn += 1
+        return self.shares[(self.rank - self.turn) % self.size]
+
+    @staticmethod
+    def finish(pending: torch.Tensor) -> torch.Tensor:
+        return pending
+
+
+@pytest.mark.parametrize("documents", ["zigzag", "allgather", "ring", "alltoall"])
+@pytest.mark.parametrize("spec", SPECS, ids=["causal", "window", "window_sinks"])
+def test_under_context_parallelism_each_rank_s_queries_meet_the_keys_of_every_rank(spec, documents):
+    """Each of 3 ranks' largest logits are its queries' against the whole sequence's keys, with its zigzag share or
+    (under document masking) the share each method's mask assigns it."""
+    from parallelisms.context_parallel import sequence_largest_logits
+    from parallelisms.context_parallel_documents import allgather_documents, alltoall_documents, ring_documents
+
+    cp, seq = 3, 24
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, seq, 8, generator=generator), torch.randn(2, 2, seq, 8, generator=generator)
+    positions = torch.arange(seq)
+    ids = torch.tensor([[0] * 5 + [1] * 12 + [2] * 7, [0] * 14 + [1] * 10])
+    if documents == "zigzag":
+        masks = [None] * cp
+        shares = [zigzag_positions(seq, cp, r).expand(2, -1) for r in range(cp)]
+        whole = spec.allows(positions[:, None], positions[None])
+    else:
+        masks = [{"allgather": partial(allgather_documents, cp_rank=r), "ring": partial(ring_documents, cp_rank=r),
+                  "alltoall": partial(alltoall_documents, whole_mask=document_mask)}[documents](ids, spec, cp_size=cp)
+                 for r in range(cp)]
+        shares = list(masks[0].shares.unbind(1))
+        whole = document_mask(ids, spec, flex=False)[:, 0]
+    q_shares, k_shares = ([t.gather(2, s[:, None, :, None].expand(-1, t.shape[1], -1, 8)) for s in shares]
+                          for t in (q, k))
+    for rank in range(cp):
+        got = sequence_largest_logits(q_shares[rank], k_shares[rank], masks[rank], spec,
+                                      ring=KeysOfTheRing(rank, k_shares))
+        rows = whole.expand(2, -1, -1).gather(1, shares[rank][:, :, None].expand(-1, -1, seq))
+        torch.testing.assert_close(got, brute_force(q_shares[rank], k, rows[:, None]), **EXACT)
 
 
 @pytest.mark.parametrize("family", ["llama3_gqa", "deepseek_v3_mla"])
@@ -89,23 +145,18 @@ def test_a_skipped_step_clips_nothing():
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("argv, error", [
-    (["--model.name", "qwen3", "--job.config_file", "debug_qwen3.toml"], r"qwen3's attention \(layers.0.attention\) "
-     "cannot be clipped"),
-    (["--parallelism.context_parallel_degree", "2"], "not available yet: optimizer.qk_clip_threshold 0.25 with "
-     "context parallelism"),
-])
-def test_what_qk_clip_cannot_do_yet_is_refused_at_start_up(argv, error):
+def test_a_model_whose_attention_cannot_be_clipped_is_refused_at_start_up():
     from components.config import load_config
     from components.training import qk_clip
     from models.families import import_model_package, model_config_class
 
-    config = load_config([*TINY, "--optimizer.qk_clip_threshold", str(THRESHOLD), *argv], model_config_class)
+    qwen3 = ["--model.name", "qwen3", "--job.config_file", "debug_qwen3.toml"]  # QK-norm
+    config = load_config([*TINY, "--optimizer.qk_clip_threshold", str(THRESHOLD), *qwen3], model_config_class)
     package = import_model_package(config.model.name)
     args = package.build_model_args(config, 4096)
     with torch.device("meta"):
         model = package.Transformer(args)
-    with pytest.raises(ConfigError, match=error):
+    with pytest.raises(ConfigError, match=r"qwen3's attention \(layers.0.attention\) cannot be clipped"):
         qk_clip.attention_logits(config, SimpleNamespace(parts=[model], pipeline=None), model, args.n_heads,
                                  OneRank(), torch.device("cpu"))
 
@@ -136,9 +187,12 @@ LAYOUTS = {  # name: (processes, arguments), model
                                    "llama3_muon"),
     "ep2": (layout(dp_shard=2, ep=2), "deepseek_v3"),
     "tp2_mla": (layout(tp=2), "deepseek_v3"),
+    "cp2_allgather": (layout(cp=2, extra=["--parallelism.context_parallel_method", "allgather"]), "llama3"),
+    "cp2_ring_documents": (layout(cp=2, extra=["--parallelism.context_parallel_method", "ring"]), "llama3_documents"),
+    "cp2_alltoall_mla": (layout(cp=2, extra=["--parallelism.context_parallel_method", "alltoall"]), "deepseek_v3"),
 }
 MODELS = {"llama3": [], "llama3_muon": ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"],
-          "deepseek_v3": MOE}
+          "llama3_documents": ["--training.document_masking", "true"], "deepseek_v3": MOE}
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,9 @@ class ModelOnRank:
     """The pipeline ranks, which each hold part of the gradients (None without pipeline parallelism)."""
     loss_group: dist.ProcessGroup | None
     """The data- and context-parallel ranks, whose losses are averaged (None when this rank is alone)."""
+    cp_largest_logits: Callable | None = None
+    """Under context parallelism, an attention call's largest logits per head, this rank's queries against every
+    rank's keys (parallelisms/context_parallel.py's sequence_largest_logits, for QK-clip); None without it."""
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:

@@ -2,8 +2,10 @@
 
 Each attention layer's kernel (its `sdpa`, components/model/attention.py) is wrapped so that every call also takes,
 for each head, the largest pre-softmax logit q.k / sqrt(head_dim) over the keys its mask lets each query see
-(`largest_logits`: query chunk by query chunk, never the whole score matrix at once); the step's largest over its
-micro-batches (and recomputations) stays on the device. After the optimizer step (a loop feature,
+(`largest_logits`: a few queries at a time, never the whole score matrix; the fused kernels, flash and
+FlexAttention, return no such maximum). Under context parallelism a rank's queries are measured against the keys of
+every rank (ModelOnRank's `cp_largest_logits`, parallelisms/context_parallel.py), whatever the method. The step's
+largest over its micro-batches (and recomputations) stays on the device. After the optimizer step (a loop feature,
 components/training/loop_features.py) one all-reduce (max) over every rank gives each rank the (layers x heads)
 maxima of the whole step: tensor-parallel ranks fill their heads, pipeline stages their layers, data-parallel ranks
 their batches. With `optimizer.qk_clip_threshold` tau, every head whose largest logit exceeded tau has its query
@@ -11,54 +13,72 @@ and key projections scaled back (the layer's `scale_query_key`, ClippableAttenti
 be tau; a step the step guard skipped clips nothing. On logged steps each layer's largest logit is a figure,
 `max_logit/<layer>` (docs/optimizers.md).
 
-Not yet: context parallelism (a rank's queries would see only its own chunk of the keys) and FlexAttention's block
-masks (CUDA under document masking): refused at start-up, as is a model whose attention does not declare
-`scale_query_key` or normalizes its queries and keys (QK-norm would undo the scaling).
+The cost: one more product of queries and keys per attention forward (and recomputation), in the inputs'
+precision (bf16 on CUDA: the maximum to about three digits). Refused at start-up: a model whose attention does not
+declare `scale_query_key` or normalizes its queries and keys (QK-norm would undo the scaling).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
 
 from components.config import Config, ConfigError
 from components.model.attention import CAUSAL, AttentionMask, ClippableAttention, attention_layers
 from components.model.protocols import provides
 from components.training.model_on_rank import ModelOnRank
 
-QUERY_CHUNK = 1024
-"""Queries whose scores are held at once: (batch, heads, 1024, keys) floats."""
+SCORES_AT_ONCE = 2**26
+"""The most scores held at once (256 MiB of float32): the queries measured together are as many as fit."""
 
 
-def largest_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None,
-                   spec: AttentionMask = CAUSAL) -> torch.Tensor:
+def largest_logits(q: torch.Tensor, k: torch.Tensor,
+                   visible: Callable[[slice], torch.Tensor]) -> torch.Tensor:
     """(heads,): each query head's largest pre-softmax logit over (batch, query, visible key). q: (batch, heads,
-    seq, head_dim); k may have fewer heads (grouped-query); mask: a document mask (batch, 1, seq, seq), else `spec`
-    over positions."""
-    q, k = q.detach().float(), k.detach().float()
+    queries, head_dim); k: (batch, kv_heads, keys, head_dim), kv_heads dividing heads (grouped-query);
+    `visible(rows)`: booleans broadcasting to (batch, heads, len(rows), keys), which keys the queries `rows` see."""
+    q, k = q.detach(), k.detach()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    positions = torch.arange(k.shape[2], device=q.device)
+    rows_at_once = max(1, SCORES_AT_ONCE // (q.shape[0] * q.shape[1] * k.shape[2]))
     largest = torch.full((q.shape[1],), float("-inf"), device=q.device)
-    for start in range(0, q.shape[2], QUERY_CHUNK):
-        rows = slice(start, start + QUERY_CHUNK)
-        scores = q[:, :, rows] @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-        visible = mask[:, :, rows] if mask is not None else spec.allows(positions[rows, None], positions[None])
-        largest = torch.maximum(largest, scores.masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3)))
+    for start in range(0, q.shape[2], rows_at_once):
+        rows = slice(start, start + rows_at_once)
+        scores = (q[:, :, rows] @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+        largest = torch.maximum(largest, scores.masked_fill(~visible(rows), float("-inf")).amax(dim=(0, 2, 3)))
     return largest
+
+
+def layer_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None = None,
+                 spec: AttentionMask = CAUSAL) -> torch.Tensor:
+    """`largest_logits` of a whole sequence's queries and keys, under what the layer's kernel got: a document mask,
+    boolean (batch, 1, seq, seq) or FlexAttention's (whose mask_mod is asked about the rows measured), else `spec`
+    over the positions."""
+    positions = torch.arange(k.shape[2], device=q.device)
+    if isinstance(mask, BlockMask):
+        batch = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+        head = torch.zeros((), dtype=torch.long, device=q.device)
+        return largest_logits(q, k, lambda rows: mask.mask_mod(batch, head, positions[rows, None], positions[None]))
+    if mask is not None:
+        return largest_logits(q, k, lambda rows: mask[:, :, rows])
+    return largest_logits(q, k, lambda rows: spec.allows(positions[rows, None], positions[None]))
 
 
 class AttentionLogits:
     """The loop feature: records the largest logits, clips, and reports them (the module docstring)."""
 
     def __init__(self, model_parts: list[nn.Module], layer_names: list[str], n_heads: int, threshold: float,
-                 tp_rank: int, tp_size: int, device: torch.device, pipeline=None):
+                 tp_rank: int, tp_size: int, device: torch.device, pipeline=None, measure: Callable = layer_logits):
         """`layer_names`: every attention layer of the whole model (its name in the unsplit model), which fixes the
         rows of the step's maxima on every rank, whatever stage holds it. `pipeline` (parallelisms/pipeline.py's):
         a step that starts with torch's shape inference runs each stage first on placeholders (uninitialized memory
-        past the first stage), whose logits are left out."""
-        self.threshold, self.tp_size, self.pipeline = threshold, tp_size, pipeline
+        past the first stage), whose logits are left out. `measure(q, k, mask, spec)`: a kernel call's largest
+        logits per head (`layer_logits`, or context parallelism's over every rank's keys)."""
+        self.threshold, self.tp_size, self.pipeline, self.measure = threshold, tp_size, pipeline, measure
         self.seen: set[str] = set()
         """The layers that ran in this step (a shape-inferring step's first call of each is the placeholder)."""
         self.rows = {name: i for i, name in enumerate(layer_names)}
@@ -77,7 +97,7 @@ class AttentionLogits:
 
         def sdpa(q, k, v, mask=None, spec=CAUSAL, **kwargs):
             if torch.is_grad_enabled() and not self.placeholder(name):
-                torch.maximum(step_max, largest_logits(q, k, mask, spec), out=step_max)
+                torch.maximum(step_max, self.measure(q, k, mask, spec), out=step_max)
             return kernel(q, k, v, mask, spec, **kwargs)
         return sdpa
 
@@ -111,12 +131,6 @@ def attention_logits(config: Config, model: ModelOnRank, whole_model: nn.Module,
     if not threshold and not config.metrics.max_attention_logit:
         return []
     asked = f"optimizer.qk_clip_threshold {threshold}" if threshold else "metrics.max_attention_logit"
-    if config.parallelism.context_parallel_degree > 1:
-        raise ConfigError(f"not available yet: {asked} with context parallelism (a rank's queries see only its chunk "
-                          "of the keys there)")
-    if config.training.document_masking and device.type == "cuda":
-        raise ConfigError(f"not available yet: {asked} with training.document_masking on CUDA (FlexAttention's "
-                          "block masks)")
     layers = list(attention_layers(whole_model))
     if not layers:
         raise ConfigError(f"{asked}: {config.model.name} declares no attention layer (components/model/attention.py)")
@@ -127,4 +141,4 @@ def attention_logits(config: Config, model: ModelOnRank, whole_model: nn.Module,
                               "ClippableAttention), or a QK-norm would undo the scaling")
     tp = mesh["tp"]
     return [AttentionLogits(model.parts, [name for name, _ in layers], n_heads, threshold, tp.get_local_rank(),
-                            tp.size(), device, model.pipeline)]
+                            tp.size(), device, model.pipeline, model.cp_largest_logits or layer_logits)]
