@@ -14,6 +14,7 @@ from conftest import REPO
 import scripts.memory_estimate as me
 from components.config import load_config
 from components.metrics.reporting import peak_rss_bytes
+from components.model.moe_layer import moe_layers
 from models.families import model_config_class
 from scripts.memory_estimate.__main__ import main as estimate_main
 
@@ -156,6 +157,29 @@ def test_simulating_a_few_blocks_gives_the_whole_model(ac, stage):
             return max(o * weights[0] + r * weights[1] + b * weights[2] for o, r, b in sim.samples)
 
         assert peak(few) == peak(whole)
+
+
+def test_a_stage_is_simulated_with_its_own_blocks_and_the_share_of_the_experts_its_rank_holds():
+    """DeepSeek-V3's dense first blocks: a later stage's blocks are all mixtures of experts, and its simulation is the
+    same whatever the number of dense blocks before it (the estimate of DeepSeek-V3 671B's last stage once simulated
+    three dense blocks); under expert parallelism each stack of experts is the rank's share."""
+    from models import deepseek_v3
+
+    def simulation(dense_blocks: int, ep: int = 1):
+        config = load_config(["--job.config_file", "debug_deepseek_v3.toml", "--model.n_layers", "6",
+                              "--model.first_dense_layers", str(dense_blocks)], model_config_class)
+        args = deepseek_v3.build_model_args(config, 4096)
+        return me.simulate_micro_batch(deepseek_v3, args, batch=2, seq=32, dtype=torch.float32, ac_mode="full",
+                                       n_blocks=3, layer_ids=[3, 4, 5], first=False, ep=ep)
+
+    dense, after_one, after_three = simulation(6), simulation(1), simulation(3)
+    assert (after_one.saved, after_one.samples) == (after_three.saved, after_three.samples)
+    assert after_one.block_grad_bytes == after_three.block_grad_bytes > dense.block_grad_bytes
+    config = load_config(["--job.config_file", "debug_deepseek_v3.toml"], model_config_class)
+    with torch.device("meta"):
+        model = deepseek_v3.Transformer(deepseek_v3.build_model_args(config, 4096))
+    stacks = sum(p.numel() for _, layer in moe_layers(model.layers["3"]) for p in layer.experts.parameters())
+    assert after_one.block_grad_bytes - simulation(1, ep=2).block_grad_bytes == 3 * stacks // 2 * 4
 
 
 def test_parallel_layouts_shrink_what_they_split():

@@ -109,6 +109,28 @@ def test_a_mixture_of_experts_rank_routes_evenly_and_calls_the_collectives_of_a_
     assert collectives(fake)[routed] == [16 + 4, 16 * (2 * 64 * 2) * 256 * 4 + 4 * 8 * 8, 2]
 
 
+def test_experts_that_fsdp_shards_route_the_same_slots_when_a_pipeline_stage_recomputes_them():
+    """FSDP 4 x EP 2 within each of 2 pipeline stages, blocks checkpointed: the balanced routing counts a rank's
+    experts from the layer (its stacks are FSDP's shards in one forward and whole in the other: the recomputation
+    then disagreed with its forward)."""
+    args = ["--job.config_file", "debug_moe.toml", "--parallelism.expert_parallel_degree", "2", "--training.seq_len",
+            "64", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full",
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    report = fake_step(args, 8, 1)
+    assert report.collectives[("all_to_all_single", "ep")].count > 0 and report.peak_bytes > 0
+
+
+def test_kimi_k2_s_config_for_256_gpus_fits_an_80_gib_gpu_by_the_memory_estimate_and_preflight():
+    """train_configs/kimi_k2.toml: 4 GiB left for the CUDA context and NCCL's buffers, by both counts (preflight's
+    of the first stage, the larger by the estimate)."""
+    from scripts.memory_estimate import estimate
+
+    config_args = ["--job.config_file", "kimi_k2.toml"]
+    expected = estimate(load_config(config_args, model_config_class), 256, "cuda")
+    assert expected.pp_rank == 0 and expected.total < 76 * 2**30
+    assert fake_step(config_args, 256, 0).peak_bytes < 76 * 2**30
+
+
 @pytest.mark.parametrize("config_args, world_size", [
     (["--job.config_file", "debug_model.toml"], 2),
     (["--job.config_file", "llama3_8b.toml"], 8),

@@ -29,7 +29,7 @@ LABELS = {
     "baseline": "baseline (process before training)",
     "parameters": "parameters",
     "gradients": "gradients",
-    "optimizer": "optimizer state (AdamW)",
+    "optimizer": "optimizer state",
     "activations": "activations (saved for backward)",
     "fsdp_buffers": "FSDP buffers",
     "temporary": "temporary (working memory at the peak)",
@@ -118,6 +118,8 @@ class StageParams:
     root_tp: int = 0  # embeddings, norm, output of these stages, after TP
     block_tp: int = 0  # one transformer block, after TP
     largest: int = 0  # the largest single parameter, after TP and FSDP
+    matrices: int = 0  # the blocks' 2-D and 3-D parameters (Muon's), after TP and FSDP
+    largest_matrix: int = 0  # the largest of those after TP and expert parallelism: what Muon gathers whole
 
 
 def count_params(shapes: dict[str, tuple[int, ...]], block: dict[str, tuple[int, ...]],
@@ -144,8 +146,11 @@ def count_params(shapes: dict[str, tuple[int, ...]], block: dict[str, tuple[int,
         return total
 
     root = {name: shape for name, shape in shapes.items() if not name.startswith(f"{blocks}.")}
+    matrices = {name: shape for name, shape in shapes.items() if name not in root and len(shape) in (2, 3)}
     return StageParams(tp=numel(shapes, False), rank=numel(shapes, True), root_tp=numel(root, False),
-                       block_tp=numel(block, False), largest=max(numel({n: s}, True) for n, s in shapes.items()))
+                       block_tp=numel(block, False), largest=max(numel({n: s}, True) for n, s in shapes.items()),
+                       matrices=numel(matrices, True),
+                       largest_matrix=max((numel({n: s}, False) for n, s in matrices.items()), default=0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,8 +223,10 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     notes["parameters"] = (f"{params.rank:,} fp32 (master copy"
                            + (f", 1/{fsdp_degree} by FSDP" if fsdp_degree > 1 else "")
                            + (f", 1/{tp} by TP" if tp > 1 else "") + ")")
-    parts["optimizer"] = params.rank * 8
-    notes["optimizer"] = "exp_avg + exp_avg_sq, fp32"
+    muon = config.optimizer.name == "Muon"
+    parts["optimizer"] = (params.rank - params.matrices) * 8 + params.matrices * 4 if muon else params.rank * 8
+    notes["optimizer"] = ("Muon's momentum of the block matrices, AdamW's exp_avg + exp_avg_sq of the rest, fp32"
+                          if muon else "AdamW's exp_avg + exp_avg_sq, fp32")
     full_grads = params.rank * 4
 
     # Activations: the saved tensors of each stage times its micro-batches in flight, / tp, plus the
@@ -311,6 +318,8 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     # The optimizer step: all parameters, gradients, states, and foreach AdamW's fp32 temporaries.
     impl = config.optimizer.implementation
     opt_temp = {"foreach": params.rank * 4, "fused": 0}.get(impl, params.largest * 4)
+    if muon:  # each matrix gathered whole, then the iteration's operands (components/training/muon.py)
+        opt_temp = max(opt_temp, 4 * params.largest_matrix * 4)
     opt_parts = dict.fromkeys(PARTS, 0) | {k: parts[k] for k in ("baseline", "parameters", "optimizer")}
     opt_parts["gradients"], opt_parts["temporary"] = full_grads, opt_temp
     if layout.target == "cpu":
@@ -325,8 +334,8 @@ def rank_breakdown(config: Config, model_args, layout: Layout, rank: RankStages)
     estimate = MemoryEstimate(parts, notes, [], remarks, layout.target, "forward/backward", int(activations))
     if opt_total > estimate.total:
         fwd_total, parts = estimate.total, opt_parts
-        notes = notes | {"gradients": "all, fp32", "temporary": f"{impl} AdamW temporaries",
-                         "activations": "none alive"}
+        step_temporary = "Muon's gathered matrices" if muon else f"{impl} AdamW temporaries"
+        notes = notes | {"gradients": "all, fp32", "temporary": step_temporary, "activations": "none alive"}
         estimate = MemoryEstimate(parts, notes, [], remarks, layout.target, "optimizer step", int(activations),
                                   fwd_total)
     else:

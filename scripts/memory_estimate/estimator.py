@@ -146,7 +146,12 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     check_model_contract(meta_model, config.model.name)
     shapes = {n: tuple(t.shape) for n, t in meta_model.named_parameters()}
     blocks = blocks_name(meta_model)
-    block = {n: shape for n, shape in shapes.items() if n.startswith(f"{blocks}.0.")}
+    by_block: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        if name.startswith(f"{blocks}."):
+            by_block.setdefault(name.removeprefix(f"{blocks}.").split(".")[0], {})[name] = shape
+    # The largest block stands for each one FSDP gathers (a mixture of experts, not DeepSeek-V3's dense first ones).
+    block = max(by_block.values(), key=lambda one: sum(math.prod(s) for s in one.values()))
     tp_dims = tp_shard_dims(meta_model, model_package.tensor_parallel_plan(meta_model, False))
     moe = moe_parameters(meta_model)
     n_params = sum(math.prod(s) for s in shapes.values())
@@ -172,24 +177,24 @@ def estimate(config: Config, world_size: int | None = None, target: str | None =
     )
 
     ac_mode, ac_option = config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option
-    simulations: dict[tuple[int, bool, bool], Simulation] = {}  # per (blocks, first, last)
+    simulations: dict[tuple[tuple[int, ...], bool, bool], Simulation] = {}  # per (layer numbers, first, last)
     candidates = []
     for pp_rank, parts in stages.items():
         rank_shapes = {n: tuple(t.shape) for part in parts for n, t in part.named_parameters()}
         rank = RankStages(pp_rank, count_params(rank_shapes, block, tp_dims, dims, fsdp_degree, moe, blocks), [])
         for part in parts:
-            kind = (len(part.transformer_blocks()),
+            kind = (tuple(int(name) for name in part.transformer_blocks()),
                     *(all(getattr(part, name) is not None for name in ends) for ends in part.pipeline_ends))
             if kind not in simulations:
                 simulations[kind] = simulate_micro_batch(
                     model_package, args, batch=micro_batch, seq=layout.local_seq, dtype=compute, ac_mode=ac_mode,
-                    ac_option=ac_option, n_blocks=kind[0], first=kind[1], last=kind[2], cp=dims.cp,
+                    ac_option=ac_option, n_blocks=len(kind[0]), first=kind[1], last=kind[2], cp=dims.cp,
                     cp_method=p.context_parallel_method, document_masking=training.document_masking,
-                    target=target,
+                    target=target, layer_ids=kind[0], ep=dims.ep,
                 )
             in_flight = (micro_batches_in_flight(schedule, multi_stage, n_micro_batches, dims.pp, pp_rank, len(parts))
                          if dims.pp > 1 else 1)
-            rank.stages.append(Stage(simulations[kind], in_flight, kind[0]))
+            rank.stages.append(Stage(simulations[kind], in_flight, len(kind[0])))
         candidates.append(rank_breakdown(config, args, layout, rank))
     result = max(candidates, key=lambda e: e.total)
     result.n_params = n_params

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -240,14 +241,17 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
                          ac_mode: str = "none", ac_option: str = "2", n_blocks: int | None = None,
                          first: bool = True, last: bool = True, cp: int = 1, cp_method: str = "allgather",
                          document_masking: bool = False, target: str = "cpu",
-                         simulate_blocks: int | None = None) -> Simulation:
+                         simulate_blocks: int | None = None, layer_ids: Sequence[int] | None = None,
+                         ep: int = 1) -> Simulation:
     """Forward and backward of `batch` sequences of `seq` tokens through a stage of `n_blocks` blocks
     (default: the model's; with the embeddings if `first`, the norm, output and loss if `last`) on
     fake tensors, with the kernels of the `target` device where they differ in what they allocate (ring's,
-    allgather's).
+    allgather's). `layer_ids`: the stage's blocks' layer numbers (default: the first `n_blocks`), which decide
+    each block's kind where a family's blocks differ (DeepSeek-V3's dense first blocks before its experts). `ep`:
+    the expert-parallel degree, whose share of the experts a rank holds and computes.
 
-    Only `simulate_blocks` blocks run (default: `blocks_to_simulate`); the others repeat the
-    simulated ones, so their effect is added exactly: think of them as inserted after the first
+    Only `simulate_blocks` blocks run (default: `blocks_to_simulate`): the stage's first and its last ones; the
+    others repeat the last ones, so their effect is added exactly: think of them as inserted after the first
     block and one period of the checkpointing pattern. From the end of that period's forward until
     its backward starts, each of them holds what one block of the period leaves alive; from then on
     they are done, their activations freed and their gradients stored. Over the inserted blocks,
@@ -257,13 +261,17 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
     start = time.perf_counter()
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     k = blocks_to_simulate(n_blocks, ac_mode, ac_option) if simulate_blocks is None else min(simulate_blocks, n_blocks)
+    layer_ids = list(range(n_blocks) if layer_ids is None else layer_ids)
+    simulated = {str(i) for i in layer_ids[:1] + layer_ids[len(layer_ids) - k + 1:]}
     stage_args = type(args)(**vars(args))
-    stage_args.n_layers = k
+    stage_args.n_layers = layer_ids[-1] + 1
     plan = one_document_plan(cp, seq, cp_method, target) if cp > 1 and document_masking else None
     masks = allgather_masks(cp, seq, target, dtype) if cp > 1 else None
     flex_mask = flex_mask_stand_in(seq * cp, target)
     with FakeTensorMode():
         model = model_package.Transformer(stage_args)
+        for name in [name for name in model.transformer_blocks() if name not in simulated]:
+            del model.transformer_blocks()[name]
         if flex_mask is not None:
             model.document_mask = lambda ids, spec: flex_mask
         first_modules, last_modules = model.pipeline_ends
@@ -289,6 +297,9 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
             )
         for _, layer in moe_layers(model):
             layer.dispatcher = balanced_dispatch
+            for module in layer.experts.modules():  # under expert parallelism, the 1/ep of each stack a rank holds
+                for name, stack in list(module._parameters.items()):
+                    module._parameters[name] = torch.nn.Parameter(stack.detach()[: stack.shape[0] // ep])
         if target == "cuda" and cp == 1:
             for _, layer in attention_layers(model):
                 layer.sdpa = as_cuda_attends(layer.sdpa)
@@ -343,7 +354,7 @@ def simulate_micro_batch(model_package: ModuleType, args, *, batch: int, seq: in
         blocks = model.transformer_blocks()
         in_blocks = sum(p.numel() for p in blocks.parameters())
         root = (sum(p.numel() for p in model.parameters()) - in_blocks) * dtype.itemsize
-        block = sum(p.numel() for p in blocks["0"].parameters()) * dtype.itemsize
+        block = sum(p.numel() for p in list(blocks.values())[-1].parameters()) * dtype.itemsize  # as the repeats
     samples = tracker.samples
     extra = n_blocks - k
     if extra:

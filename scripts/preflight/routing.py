@@ -11,7 +11,6 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from components.model.moe_layer import moe_layers
-from components.training.model_on_rank import local
 
 
 def even(total: int, parts: int) -> list[int]:
@@ -19,11 +18,13 @@ def even(total: int, parts: int) -> list[int]:
 
 
 class BalancedDispatch:
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, local_experts: int):
+        """`local_experts`: the experts this rank holds, counted from the layer's, not from its stacks, which FSDP
+        shards between the forwards (a recomputation would see other shapes than its forward)."""
+        self.group, self.local_experts = group, local_experts
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        local_experts = local(next(experts.parameters())).shape[0]  # stacks over the experts
+        local_experts = self.local_experts
         if self.group is None:
             return experts(x, even(x.shape[0], local_experts))
         ep = dist.get_world_size(self.group)
@@ -38,6 +39,7 @@ def balance_routing(model: nn.Module, ep_group: dist.ProcessGroup | None) -> boo
     """Route every mixture-of-experts layer of `model` evenly (over `ep_group`'s ranks under expert
     parallelism); whether it has any."""
     layers = list(moe_layers(model))
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     for _, layer in layers:
-        layer.dispatcher = BalancedDispatch(ep_group)
+        layer.dispatcher = BalancedDispatch(ep_group, layer.num_experts // ep)
     return bool(layers)
