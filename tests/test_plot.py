@@ -35,6 +35,22 @@ def test_several_runs_go_on_one_png_and_a_folder_without_steps_is_named(tmp_path
         main([str(a), str(b)])
 
 
+def test_a_run_that_logged_its_attention_logits_gets_a_panel_of_the_largest_over_its_layers(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    run = fake_run(tmp_path / "run", [3.0, 2.0])
+    lines = [json.loads(line) | {"max_logit/layers.0.attention": 2.0 * s, "max_logit/layers.1.attention": 3.0 * s}
+             for s, line in enumerate((run / "metrics.jsonl").read_text().splitlines(), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda ax, *args, **kwargs: drawn.append(args) or plot(ax, *args, **kwargs))
+    assert plot_runs([run], tmp_path / "logits.png") == [run]
+    assert matplotlib.image.imread(tmp_path / "logits.png").shape[:2] == (520, 1200)  # 3 columns of panels
+    assert drawn[-1] == ((1, 2), (3.0, 6.0))  # the last panel's line: each step's larger layer
+
+
 def test_the_launcher_finds_the_run_s_folder_and_a_picture_it_cannot_write_costs_one_line(tmp_path, capsys):
     from components.run.launch import logged, picture_of_the_run, run_folder
 
