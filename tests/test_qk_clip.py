@@ -10,6 +10,7 @@ import torch
 from conftest import TINY, layout, reference_runs, step_figures, tiny_model_args, torchrun_runs
 
 import models.deepseek_v3 as deepseek_v3
+import models.gpt_oss as gpt_oss
 from components.config import ConfigError
 from components.model.attention import CAUSAL, AttentionMask, attention_layers, document_mask
 from components.training.qk_clip import AttentionLogits, layer_logits
@@ -94,26 +95,31 @@ def test_under_context_parallelism_each_rank_s_queries_meet_the_keys_of_every_ra
         torch.testing.assert_close(got, brute_force(q_shares[rank], k, rows[:, None]), **EXACT)
 
 
-@pytest.mark.parametrize("family", ["llama3_gqa", "deepseek_v3_mla"])
+@pytest.mark.parametrize("family", ["llama3_gqa", "deepseek_v3_mla", "gpt_oss_biased"])
 def test_a_clipped_head_s_largest_logit_becomes_the_threshold_and_the_others_keep_theirs(family):
-    """Grouped-query heads (Llama 3: 4 query heads on 2 key heads) and multi-head latent attention (DeepSeek-V3:
-    the heads' own query and key parts, the shared rotated key left alone)."""
+    """Grouped-query heads (Llama 3: 4 query heads on 2 key heads; gpt-oss's with biased projections and sinks) and
+    multi-head latent attention (DeepSeek-V3: the heads' own query and key parts, the shared rotated key left
+    alone)."""
     torch.manual_seed(0)
     if family == "llama3_gqa":
         heads, args = 4, tiny_model_args(n_heads=4, n_kv_heads=2)
         package_model = Transformer
     else:
-        debug = deepseek_v3.flavors["debugmodel"]
+        package = deepseek_v3 if family == "deepseek_v3_mla" else gpt_oss
+        debug = package.flavors["debugmodel"]
         heads, args = debug.n_heads, debug.__class__(**{**vars(debug), "n_layers": 2, "vocab_size": 97})
-        package_model = deepseek_v3.Transformer
+        package_model = package.Transformer
     with torch.device("meta"):
         model = package_model(args)
     model.to_empty(device="cpu")
     model.init_weights()
     with torch.no_grad():  # larger query weights, the more so the later the head: some heads far above the rest
         for _, layer in attention_layers(model):
-            weight = (layer.wq if family == "llama3_gqa" else layer.wq_b).weight
+            weight = (layer.wq_b if family == "deepseek_v3_mla" else layer.wq).weight
             weight.mul_(torch.linspace(1, 30, weight.shape[0])[:, None])
+            if family == "gpt_oss_biased":
+                for linear in (layer.wq, layer.wk):
+                    linear.bias.normal_(0, 0.5)
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     names = [name for name, _ in attention_layers(model)]
     feature = AttentionLogits([model], names, heads, 0.0, 0, 1, torch.device("cpu"))
@@ -190,9 +196,12 @@ LAYOUTS = {  # name: (processes, arguments), model
     "cp2_allgather": (layout(cp=2, extra=["--parallelism.context_parallel_method", "allgather"]), "llama3"),
     "cp2_ring_documents": (layout(cp=2, extra=["--parallelism.context_parallel_method", "ring"]), "llama3_documents"),
     "cp2_alltoall_mla": (layout(cp=2, extra=["--parallelism.context_parallel_method", "alltoall"]), "deepseek_v3"),
+    "tp2_gpt_oss": (layout(tp=2), "gpt_oss"),
 }
 MODELS = {"llama3": [], "llama3_muon": ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"],
-          "llama3_documents": ["--training.document_masking", "true"], "deepseek_v3": MOE}
+          "llama3_documents": ["--training.document_masking", "true"], "deepseek_v3": MOE,
+          "gpt_oss": ["--job.config_file", "debug_gpt_oss.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+                      "--moe.bias_update_speed", "0"]}
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +223,7 @@ def test_every_layout_clips_and_logs_the_largest_logits_of_one_process(name, ref
     got, expected = step_figures(dump), step_figures(references[LAYOUTS[name][1]])
     assert sorted(got) == [1, 2, 3, 4]
     logits = [key for key in expected[1] if key.startswith("max_logit/")]
-    assert len(logits) == (3 if LAYOUTS[name][1] == "deepseek_v3" else 4)
+    assert len(logits) == {"deepseek_v3": 3, "gpt_oss": 2}.get(LAYOUTS[name][1], 4)
     assert all(expected[step][key] > THRESHOLD for step in (1, 2) for key in logits), "the clip acts"
     for step in expected:
         for key in ["loss", *logits]:

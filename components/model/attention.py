@@ -102,9 +102,11 @@ class ClippableAttention(Protocol):
 
 
 def scale_rows(weight: nn.Parameter, factors: torch.Tensor) -> None:
-    """weight[i, :] *= factors[i], `factors` over all of weight's rows: a DTensor weight (FSDP, TP or both shard its
-    rows) scales the rows it holds, DTensor matching the replicated factors to its shards without communicating."""
-    column = factors.to(weight.dtype)[:, None]
+    """weight[i, ...] *= factors[i], `factors` over all of weight's rows (a matrix's, or a bias's entries): a DTensor
+    weight (FSDP, TP or both shard its rows) scales the rows it holds, DTensor matching the replicated factors to its
+    shards without communicating."""
+    column = factors.to(weight.device, weight.dtype)  # the host under FSDP's CPU offload
+    column = column.view(-1, *[1] * (weight.dim() - 1))
     if isinstance(weight, DTensor):
         column = DTensor.from_local(column, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
                                     run_check=False)

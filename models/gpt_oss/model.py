@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention
+from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, scale_rows
 from components.torch_private import grouped_mm
 from models.decoder import Decoder, DecoderBlock
 from models.moe import MoE, MoEArgs, use_grouped_mm
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         super().__init__()
         self.sdpa = causal_attention
         self.attention_mask = args.attention_mask(layer_id)
-        self.head_dim = args.head_dim
+        self.head_dim, self.n_kv_heads = args.head_dim, args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=True)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=True)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=True)
@@ -120,6 +120,18 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv, self.wo):
             nn.init.zeros_(linear.bias)
         nn.init.zeros_(self.sink_logits)
+
+    def scale_query_key(self, factors: torch.Tensor) -> None:
+        """QK-clip (components/model/attention.py's ClippableAttention), as Llama 3's grouped-query attention does it
+        (its key head the square root of its group's largest factor, each query head the rest of its own), the
+        projections' biases with their rows. The learned sinks are not logits of a key: left alone."""
+        groups = factors.view(self.n_kv_heads, -1)
+        key = groups.amax(1).sqrt()
+        query = (groups / key[:, None]).flatten().repeat_interleave(self.head_dim)
+        key = key.repeat_interleave(self.head_dim)
+        for linear, rows in ((self.wq, query), (self.wk, key)):
+            scale_rows(linear.weight, rows)
+            scale_rows(linear.bias, rows)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
