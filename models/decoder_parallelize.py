@@ -72,8 +72,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
                                        config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
                                        ring_attention=dims.cp > 1 and p.context_parallel_method == "ring")
         if config.compile.enable:
+            measures_logits = bool(config.optimizer.qk_clip_threshold) or config.metrics.max_attention_logit
             compile_blocks(blocks, eager_attention=dims.cp > 1 and attention_runs_eagerly(
-                p.context_parallel_method, config.training.document_masking))
+                p.context_parallel_method, config.training.document_masking, measures_logits))
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.

@@ -239,11 +239,12 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=N
     return sequence_for_heads(out, cp_mesh)
 
 
-def attention_runs_eagerly(method: str, document_masking: bool) -> bool:
+def attention_runs_eagerly(method: str, document_masking: bool, measures_logits: bool = False) -> bool:
     """Whether the `method`'s attention runs eagerly inside compiled blocks (which then compile in several graphs,
     parallelisms/compile.py): ring's point-to-point sends cannot be traced, nor can allgather's key ranges under
-    document masking (values of the batch) without a recompile per batch."""
-    return method == "ring" or (method == "allgather" and document_masking)
+    document masking (values of the batch) without a recompile per batch, nor the ring of keys that measures the
+    largest logits (`measures_logits`: QK-clip's, `sequence_largest_logits`)."""
+    return method == "ring" or (method == "allgather" and document_masking) or measures_logits
 
 
 def check_declared_attention(model: nn.Module, method: str) -> None:
