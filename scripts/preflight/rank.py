@@ -2,13 +2,14 @@
 process group (every collective returns at once, carrying no data), then one training step on fake tensors
 (shapes and dtypes, no memory), recording what it sends and computes.
 
-What differs from train.py, and why: the model is materialized as fake tensors (no weights are drawn: their
-values change nothing here); mixture-of-experts layers route evenly, fake tensors having no values to route by
-(scripts/preflight/routing.py); compile is off for the step (compiling on fake tensors would measure the
-compiler, and compiled code sends and computes the same), and so is async TP (compiled CUDA code: the same
-collectives, overlapped, which the prediction assumes); pipeline stages are given their shapes rather than
-learning them from their neighbours (scripts/preflight/pipeline.py); no data is read (the step's token ids are
-random, of the batch's shape)."""
+What differs from train.py, and why: the model is materialized as fake tensors (no weights are drawn: their values
+change nothing here); mixture-of-experts layers route evenly, fake tensors having no values to route by
+(scripts/preflight/routing.py); attention keeps what CUDA's kernels keep (the memory estimator's stand-in: the CPU's
+kernels keep the scores of learned sinks and of values narrower than the keys); compile is off for the step
+(compiling on fake tensors would measure the compiler, and compiled code sends and computes the same), and so is
+async TP (compiled CUDA code: the same collectives, overlapped, which the prediction assumes); pipeline stages are
+given their shapes rather than learning them from their neighbours (scripts/preflight/pipeline.py); no data is read
+(the step's token ids are random, of the batch's shape)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from components.config import Config, ConfigError
 from components.data.batch_plan import batch_plan
 from components.distributed.fault_tolerance import NoReplicas
 from components.distributed.mesh import ParallelDims
+from components.model.attention import attention_layers
 from components.model.layout_checks import check_model_supported, check_supported
 from components.model.moe_layer import has_moe_layer
 from components.training.model_on_rank import local, prepare_batch
@@ -46,6 +48,7 @@ from parallelisms.context_parallel import shard_sequence
 from parallelisms.float8 import Float8ScalePrecompute, pays_in_float8
 from parallelisms.pipeline import family_split
 from scripts.memory_estimate.estimator import vocab_size
+from scripts.memory_estimate.simulation import as_cuda_attends
 from scripts.preflight.collectives import Collective, CollectiveRecorder
 from scripts.preflight.memory import PeakMemory
 from scripts.preflight.pipeline import first_stage, stage_maker
@@ -221,6 +224,10 @@ def step_report(config: Config, fake: bool) -> RankReport:
     built = [*parts, *([first] if first is not None and first not in parts else [])]
     if fake and balance_routing(nn.ModuleList(built), dims.ep_mesh.get_group() if dims.ep > 1 else None):
         report_note = "; ".join(filter(None, [report_note, "routing assumed balanced: each expert an equal share"]))
+    if fake and dims.cp == 1:  # attention that keeps what CUDA's kernels keep (the CPU's keep learned sinks' scores)
+        for part in built:
+            for _, layer in attention_layers(part):
+                layer.sdpa = as_cuda_attends(layer.sdpa)
     coordinates = {name: mesh[name].get_local_rank() for name in mesh.mesh_dim_names if mesh[name].size() > 1}
     report = RankReport(rank, coordinates, model_flops=model_args.flops_per_token(
         config.training.seq_len) * plan.tokens_per_step / world_size, note=report_note)
