@@ -133,7 +133,7 @@ def test_a_rank_s_own_time_counts_its_thread_computing_and_waiting_for_data_but_
     assert active_seconds() - start < 0.1
     start = active_seconds()
     spin(0.3)
-    assert 0.28 <= active_seconds() - start < 0.45  # the kernel accounts a running slice a tick late
+    assert 0.28 <= active_seconds() - start < 0.6  # the kernel may account running slices late (0.50 s seen on CI)
 
     def slow_loader():
         for batch in range(2):
