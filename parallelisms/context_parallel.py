@@ -323,8 +323,9 @@ def attach_context_parallel(model: nn.Module, positions: Callable, document_mask
 
 
 def whole_sequence_logits(cp_mesh: DeviceMesh) -> Callable:
-    """`sequence_largest_logits` over the ring of `cp_mesh`'s ranks, run eagerly (its sends cannot be traced)."""
-    return torch.compiler.disable(partial(sequence_largest_logits, ring=Ring(cp_mesh)))
+    """`sequence_largest_logits` over the ring of `cp_mesh`'s ranks (its sends cannot be traced: the caller runs it
+    eagerly)."""
+    return partial(sequence_largest_logits, ring=Ring(cp_mesh))
 
 
 def sequence_largest_logits(q: torch.Tensor, k: torch.Tensor, mask: ShardedDocuments | None = None,

@@ -139,6 +139,9 @@ def attention_logits(config: Config, model: ModelOnRank, whole_model: nn.Module,
             raise ConfigError(f"optimizer.qk_clip_threshold: {config.model.name}'s attention ({name}) cannot be "
                               "clipped: it declares no scale_query_key (components/model/attention.py's "
                               "ClippableAttention), or a QK-norm would undo the scaling")
+    # Context parallelism's measure sends keys point to point: eager inside compiled blocks (imported here, not for
+    # every run: torch's compiler).
+    measure = torch.compiler.disable(model.cp_largest_logits) if model.cp_largest_logits else layer_logits
     tp = mesh["tp"]
     return [AttentionLogits(model.parts, [name for name, _ in layers], n_heads, threshold, tp.get_local_rank(),
-                            tp.size(), device, model.pipeline, model.cp_largest_logits or layer_logits)]
+                            tp.size(), device, model.pipeline, measure)]
