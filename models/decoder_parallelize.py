@@ -26,6 +26,7 @@ from components.config import DTYPES, Config, ConfigError
 from components.distributed.mesh import ParallelDims
 from components.model.layout_checks import uses_fsdp
 from components.model.moe_layer import is_moe_layer
+from components.training.qk_clip import measures_attention_logits
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import apply_context_parallel, attention_runs_eagerly
@@ -72,9 +73,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
                                        config.activation_checkpoint.selective_ac_option, compiled=config.compile.enable,
                                        ring_attention=dims.cp > 1 and p.context_parallel_method == "ring")
         if config.compile.enable:
-            measures_logits = bool(config.optimizer.qk_clip_threshold) or config.metrics.max_attention_logit
             compile_blocks(blocks, eager_attention=dims.cp > 1 and attention_runs_eagerly(
-                p.context_parallel_method, config.training.document_masking, measures_logits))
+                p.context_parallel_method, config.training.document_masking, measures_attention_logits(config)))
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     # Before the blocks: their FSDP units then leave the MoE layers' parameters to these.

@@ -114,6 +114,17 @@ def scale_rows(weight: nn.Parameter, factors: torch.Tensor) -> None:
         weight.mul_(column)
 
 
+def grouped_query_rows(factors: torch.Tensor, n_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-clip's factors (heads,) as those of a grouped-query attention's query and key projection rows: a key head
+    is shared by a group of query heads, so it takes the square root of the group's largest factor and each query
+    head the rest of its own; every factor stays <= 1, and with one query head per key head each side takes the
+    square root, as Kimi K2's MuonClip does. (query rows, key rows), for `scale_rows`."""
+    groups = factors.view(n_kv_heads, -1)
+    key = groups.amax(1).sqrt()
+    query = (groups / key[:, None]).flatten()
+    return query.repeat_interleave(head_dim), key.repeat_interleave(head_dim)
+
+
 def attention_layers(module: nn.Module) -> Iterator[tuple[str, AttentionLayer]]:
     """(name, layer) of every attention layer inside `module`."""
     return ((name, m) for name, m in module.named_modules() if provides(m, AttentionLayer))

@@ -123,12 +123,17 @@ class AttentionLogits:
         return {f"max_logit/{name}": value for name, value in zip(self.rows, maxima.amax(1).tolist())}
 
 
+def measures_attention_logits(config: Config) -> bool:
+    """Whether the run takes its attention layers' largest logits: for QK-clip, or as a metric."""
+    return bool(config.optimizer.qk_clip_threshold) or config.metrics.max_attention_logit
+
+
 def attention_logits(config: Config, model: ModelOnRank, whole_model: nn.Module, n_heads: int, mesh: DeviceMesh,
                      device: torch.device) -> list[AttentionLogits]:
     """The feature where the config asks for it (optimizer.qk_clip_threshold, metrics.max_attention_logit), after
     the refusals the module docstring names; `whole_model`: the model before it was split into pipeline stages."""
     threshold = config.optimizer.qk_clip_threshold
-    if not threshold and not config.metrics.max_attention_logit:
+    if not measures_attention_logits(config):
         return []
     asked = f"optimizer.qk_clip_threshold {threshold}" if threshold else "metrics.max_attention_logit"
     layers = list(attention_layers(whole_model))

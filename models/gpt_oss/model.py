@@ -18,7 +18,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, AttentionMask, apply_rope, causal_attention, scale_rows
+from components.model.attention import (
+    CAUSAL,
+    AttentionMask,
+    apply_rope,
+    causal_attention,
+    grouped_query_rows,
+    scale_rows,
+)
 from components.torch_private import grouped_mm
 from models.decoder import Decoder, DecoderBlock
 from models.moe import MoE, MoEArgs, use_grouped_mm
@@ -122,13 +129,10 @@ class Attention(nn.Module):
         nn.init.zeros_(self.sink_logits)
 
     def scale_query_key(self, factors: torch.Tensor) -> None:
-        """QK-clip (components/model/attention.py's ClippableAttention), as Llama 3's grouped-query attention does it
-        (its key head the square root of its group's largest factor, each query head the rest of its own), the
-        projections' biases with their rows. The learned sinks are not logits of a key: left alone."""
-        groups = factors.view(self.n_kv_heads, -1)
-        key = groups.amax(1).sqrt()
-        query = (groups / key[:, None]).flatten().repeat_interleave(self.head_dim)
-        key = key.repeat_interleave(self.head_dim)
+        """QK-clip (components/model/attention.py's ClippableAttention), split between the grouped-query heads by
+        `grouped_query_rows`, the projections' biases with their rows. The learned sinks are not logits of a key:
+        left alone."""
+        query, key = grouped_query_rows(factors, self.n_kv_heads, self.head_dim)
         for linear, rows in ((self.wq, query), (self.wk, key)):
             scale_rows(linear.weight, rows)
             scale_rows(linear.bias, rows)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from components.model.attention import CAUSAL, apply_rope, causal_attention, scale_rows
+from components.model.attention import CAUSAL, apply_rope, causal_attention, grouped_query_rows, scale_rows
 from models.decoder import Decoder, DecoderBlock, FeedForward
 
 
@@ -144,15 +144,11 @@ class Attention(nn.Module):
             self.k_norm.reset_parameters()
 
     def scale_query_key(self, factors: torch.Tensor) -> None:
-        """QK-clip (components/model/attention.py's ClippableAttention): a key head is shared by a group of query
-        heads, so it takes the square root of the group's largest factor and each query head the rest of its own;
-        every factor stays <= 1, and with one query head per key head each side takes the square root, as Kimi K2's
-        MuonClip does."""
-        groups = factors.view(self.n_kv_heads, -1)
-        key = groups.amax(1).sqrt()
-        query = (groups / key[:, None]).flatten()
-        scale_rows(self.wq.weight, query.repeat_interleave(self.head_dim))
-        scale_rows(self.wk.weight, key.repeat_interleave(self.head_dim))
+        """QK-clip (components/model/attention.py's ClippableAttention), split between the grouped-query heads by
+        `grouped_query_rows`."""
+        query, key = grouped_query_rows(factors, self.n_kv_heads, self.head_dim)
+        scale_rows(self.wq.weight, query)
+        scale_rows(self.wk.weight, key)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
